@@ -1,0 +1,42 @@
+# `make test` sets up .venv on a fresh machine and runs every check; `make demo` comes with the controller.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup test demo lint typecheck imports pytest bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+lint: setup
+	$(BIN)/ruff check muster tests bench examples
+	$(BIN)/ruff format --check muster tests bench examples
+
+typecheck: setup
+	$(BIN)/mypy
+
+imports: setup
+	$(BIN)/lint-imports
+
+pytest: setup
+	$(BIN)/pytest -q
+
+test: lint typecheck imports pytest
+
+# Until the controller lands, the demo is a dry run: validate the example job, then place it.
+demo: setup
+	$(BIN)/muster validate examples/plan/job.yaml
+	$(BIN)/muster plan examples/plan/job.yaml --workers examples/plan/workers.yaml
+
+bench: setup
+	$(BIN)/python bench/scheduler.py
+	$(BIN)/python bench/store.py
+
+clean:
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis *.egg-info

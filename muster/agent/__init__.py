@@ -1,0 +1,1 @@
+"""The agent: dial-in, inventory, torchrun launcher, per-rank log capture, uploads (seed 001)."""

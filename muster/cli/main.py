@@ -1,0 +1,55 @@
+"""The ``muster`` command: one typer app, one module per verb."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from functools import wraps
+from typing import ParamSpec, TypeVar
+
+import typer
+from rich.console import Console
+
+from muster.errors import MusterError, SpecError
+
+app = typer.Typer(
+    name="muster",
+    help="Run one PyTorch training job across many machines as a gang.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def reports_errors(fn: Callable[P, R]) -> Callable[P, R]:
+    """Turn a MusterError into its message on stderr and its exit code (2 for bad input)."""
+
+    @wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return fn(*args, **kwargs)
+        except SpecError as exc:
+            err.print(f"[red]error:[/] {exc.source} is invalid:", markup=True)
+            for e in exc.errors:
+                err.print(f"  {e}", markup=False)
+            raise typer.Exit(exc.exit_code) from None
+        except MusterError as exc:
+            err.print("[red]error:[/] ", end="", markup=True)
+            err.print(str(exc), markup=False)
+            raise typer.Exit(exc.exit_code) from None
+
+    return wrapper
+
+
+def main() -> None:
+    from muster.cli import plan, validate  # noqa: F401  (registers the verbs)
+
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)

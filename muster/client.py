@@ -1,0 +1,1 @@
+"""Typed HTTP client for the controller API (CLI, agent, tests, Python SDK)."""

@@ -1,0 +1,1 @@
+"""The controller: FastAPI app, agents' control links, supervision loop (seed 001)."""

@@ -1,0 +1,116 @@
+"""The one exception tree of muster.
+
+Every error muster raises on purpose is a ``MusterError``. The branch says whose move it is:
+
+    MusterError
+    ├── UserError                 the input is wrong; the user fixes it (CLI exit 2, HTTP 4xx)
+    │   ├── SpecError             a job spec or file failed validation (HTTP 422); lists FieldErrors
+    │   ├── BadRequest            a request that is well formed but not allowed now (HTTP 400/409)
+    │   └── NotFound              a job, worker or artifact that does not exist (HTTP 404)
+    ├── PlatformError             muster refused or lost a decision (CLI exit 3, HTTP 409/503)
+    │   ├── PlacementConflict     a reservation lost a race for a worker; the pass is retried
+    │   ├── IllegalTransition     a lifecycle move the state table forbids
+    │   └── FencedEpoch           a message for a gang epoch that has been fenced
+    └── InfrastructureError       something below muster failed (CLI exit 4, HTTP 502/503)
+        ├── StoreUnavailable      the database cannot be opened or migrated
+        ├── HostLost              an agent's control link closed or went stale
+        └── ProbeFailed           a pair of gang members could not reach each other
+
+Lower-level exceptions (SQLAlchemy, OSError, pydantic) are caught at the seam that
+causes them and re-raised as one of these, with a message that names the thing and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class MusterError(Exception):
+    """Root of every error muster raises on purpose."""
+
+    exit_code = 1
+    http_status = 500
+
+
+class UserError(MusterError):
+    """The input is wrong; the message says which field and how to fix it."""
+
+    exit_code = 2
+    http_status = 400
+
+
+@dataclass(frozen=True)
+class FieldError:
+    """One refusal: the dotted path of the field, what is wrong, and the fix."""
+
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}" if self.field else self.message
+
+
+class SpecError(UserError):
+    """A job spec, cluster file or inventory failed validation; nothing was stored."""
+
+    http_status = 422
+
+    def __init__(self, errors: list[FieldError], source: str = "job spec") -> None:
+        self.errors = list(errors)
+        self.source = source
+        lines = "\n".join(f"  - {e}" for e in self.errors)
+        super().__init__(f"{source} is invalid ({len(self.errors)} error(s)):\n{lines}")
+
+    @property
+    def fields(self) -> list[str]:
+        return [e.field for e in self.errors]
+
+
+class BadRequest(UserError):
+    """Well formed, but not allowed in the current state."""
+
+    http_status = 409
+
+
+class NotFound(UserError):
+    """The named job, worker or artifact does not exist."""
+
+    http_status = 404
+
+
+class PlatformError(MusterError):
+    """muster refused or lost a decision; retrying later may succeed."""
+
+    exit_code = 3
+    http_status = 409
+
+
+class PlacementConflict(PlatformError):
+    """A reservation found a worker already taken; the scheduler pass runs again."""
+
+
+class IllegalTransition(PlatformError):
+    """A lifecycle move that the state's transition table forbids."""
+
+
+class FencedEpoch(PlatformError):
+    """A message arrived for a gang epoch that has been fenced."""
+
+
+class InfrastructureError(MusterError):
+    """Something below muster failed: the database, a host, the network."""
+
+    exit_code = 4
+    http_status = 503
+
+
+class StoreUnavailable(InfrastructureError):
+    """The database cannot be opened, reached or migrated."""
+
+
+class HostLost(InfrastructureError):
+    """An agent's control link closed or its heartbeats went stale."""
+
+
+class ProbeFailed(InfrastructureError):
+    """A pair of gang members could not reach each other on the chosen path."""

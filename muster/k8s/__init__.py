@@ -1,0 +1,1 @@
+"""Kubeflow Trainer render / apply / preflight / verify-fabric (seed 004)."""

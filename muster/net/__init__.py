@@ -1,0 +1,1 @@
+"""Gang network set-up per path class, the probe, mesh addressing (seed 000)."""

@@ -1,0 +1,33 @@
+"""Pure launch planning: the rank plan, the torchrun command, and each path's environment."""
+
+from muster.plan.env import (
+    PATH_FIXED_NCCL,
+    GangAddressing,
+    Shim,
+    gang_addressing,
+    launch_env,
+    mesh_address,
+)
+from muster.plan.ranks import (
+    NodePlan,
+    RankPlan,
+    entrypoint_argv,
+    rank_plan,
+    shell_line,
+    torchrun_argv,
+)
+
+__all__ = [
+    "PATH_FIXED_NCCL",
+    "GangAddressing",
+    "NodePlan",
+    "RankPlan",
+    "Shim",
+    "entrypoint_argv",
+    "gang_addressing",
+    "launch_env",
+    "mesh_address",
+    "rank_plan",
+    "shell_line",
+    "torchrun_argv",
+]

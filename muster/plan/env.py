@@ -1,0 +1,140 @@
+"""The environment every rank's torchrun starts with, per gang path (seed 000, DESIGN.md).
+
+Layers, later wins:
+  1. the node's own environment (the image's), minus variables muster or torchrun own;
+  2. the job's ``env`` (validation already refused the platform-owned keys);
+  3. ``OMP_NUM_THREADS=1`` unless the job sets it;
+  4. what the path fixes: addressing, interfaces, NCCL_NET / NCCL_SOCKET_IFNAME /
+     NCCL_SOCKET_FAMILY / NCCL_IB_DISABLE, and on a relayed path the shim in LD_PRELOAD
+     ahead of the image's own.
+
+The user's other NCCL_* values (NCCL_DEBUG, NCCL_ALGO, ...) pass through untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from muster.errors import PlatformError
+from muster.spec.job import JobSpec
+from muster.spec.network import MESH_INTERFACE, PathClass
+from muster.spec.rules import PLATFORM_ENV, PLATFORM_ENV_PREFIXES
+from muster.spec.worker import WorkerInventory
+
+#: First address of the direct path's mesh range (100.64.0.0/10); node r gets base + 1 + r.
+MESH_BASE = (100 << 24) | (64 << 16)
+
+#: NCCL variables the path fixes; a job's own value for them is refused at submission.
+PATH_FIXED_NCCL = ("NCCL_NET", "NCCL_SOCKET_IFNAME", "NCCL_SOCKET_FAMILY", "NCCL_IB_DISABLE")
+
+
+@dataclass(frozen=True)
+class GangAddressing:
+    """Where each node of a placed gang is reached on its path, and on which interface."""
+
+    path: PathClass
+    addresses: tuple[str, ...]  # indexed by node rank
+    interfaces: tuple[str, ...]  # the interface each node's ranks bind to
+    master_port: int
+
+    @property
+    def master_addr(self) -> str:
+        return self.addresses[0]
+
+
+@dataclass(frozen=True)
+class Shim:
+    """The relayed path's preloaded library and the member's local SOCKS endpoint."""
+
+    library: str
+    socks: str  # host:port on the member itself
+
+
+def mesh_address(node_rank: int) -> str:
+    """The direct path's address of node ``node_rank``; every gang has its own network."""
+    value = MESH_BASE + 1 + node_rank
+    return ".".join(str((value >> shift) & 0xFF) for shift in (24, 16, 8, 0))
+
+
+def gang_addressing(
+    path: PathClass, members: Sequence[WorkerInventory], master_port: int
+) -> GangAddressing:
+    """Addresses and interfaces of a gang whose node r is ``members[r]``.
+
+    A gang of one needs no network: its rendezvous stays on the loopback interface.
+    """
+    if len(members) == 1:
+        return GangAddressing(path, ("127.0.0.1",), ("lo",), master_port)
+    if path is PathClass.PRIVATE:
+        addresses = tuple(m.network.private_address or m.advertise_address or "" for m in members)
+        interfaces = tuple(m.network.private_interface for m in members)
+    elif path is PathClass.DIRECT:
+        addresses = tuple(mesh_address(r) for r in range(len(members)))
+        interfaces = tuple(MESH_INTERFACE for _ in members)
+    else:
+        addresses = tuple(m.advertise_address or "" for m in members)
+        interfaces = tuple(m.network.primary_interface for m in members)
+    return GangAddressing(path, addresses, interfaces, master_port)
+
+
+def _owned_by_platform(key: str) -> bool:
+    return key in PLATFORM_ENV or key.startswith(PLATFORM_ENV_PREFIXES)
+
+
+def launch_env(
+    spec: JobSpec,
+    node_rank: int,
+    gang: GangAddressing,
+    *,
+    node_env: Mapping[str, str] | None = None,
+    shim: Shim | None = None,
+    output_dir: str | None = None,
+) -> dict[str, str]:
+    """The environment node ``node_rank`` starts torchrun with."""
+    base = dict(node_env or {})
+    image_preload = base.get("LD_PRELOAD", "")
+    env = {k: v for k, v in base.items() if not _owned_by_platform(k)}
+    env.update(spec.env)
+    if "OMP_NUM_THREADS" not in spec.env:
+        env["OMP_NUM_THREADS"] = "1"
+
+    master = f"{_host(gang.master_addr)}:{gang.master_port}"
+    interface = gang.interfaces[node_rank]
+    env.update(
+        {
+            "MUSTER_GANG_TRANSPORT": gang.path.value,
+            "MUSTER_JOB": spec.name,
+            "MUSTER_NODE_RANK": str(node_rank),
+            "MUSTER_NUM_NODES": str(spec.gang.num_workers),
+            "MUSTER_PROCS_PER_NODE": str(spec.gang.procs_per_worker),
+            "MUSTER_NODE_IPS": ",".join(gang.addresses),
+            "MASTER_ADDR": gang.master_addr,
+            "MASTER_PORT": str(gang.master_port),
+            "PET_RDZV_ENDPOINT": master,
+            "NCCL_SOCKET_IFNAME": interface,
+            "GLOO_SOCKET_IFNAME": interface,
+            "NCCL_SOCKET_FAMILY": "AF_INET6" if ":" in gang.master_addr else "AF_INET",
+        }
+    )
+    if gang.path is PathClass.PRIVATE:
+        env.pop("NCCL_NET", None)
+        env.pop("NCCL_IB_DISABLE", None)
+    else:
+        env["NCCL_NET"] = "Socket"
+        env["NCCL_IB_DISABLE"] = "1"
+    if output_dir is not None:
+        env["MUSTER_OUTPUT_DIR"] = output_dir
+
+    if gang.path is PathClass.RELAYED:
+        if shim is None:
+            raise PlatformError("a relayed gang needs the shim's library and SOCKS endpoint")
+        own = gang.addresses[node_rank]
+        env["LD_PRELOAD"] = ":".join(p for p in (shim.library, image_preload) if p)
+        env["MUSTER_NETSHIM_PEERS"] = ",".join(a for a in gang.addresses if a != own)
+        env["MUSTER_NETSHIM_SOCKS"] = shim.socks
+    return env
+
+
+def _host(address: str) -> str:
+    return f"[{address}]" if ":" in address else address

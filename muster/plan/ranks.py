@@ -1,0 +1,87 @@
+"""The rank plan and the exact torchrun command every node runs (seed 001, steps 3 and 5).
+
+Node rank r hosts global ranks [r*P, (r+1)*P) for P processes per node.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+
+from muster.errors import BadRequest
+from muster.spec.job import JobSpec
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    node_rank: int
+    ranks: range
+
+    @property
+    def label(self) -> str:
+        return f"node{self.node_rank}"
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    num_nodes: int
+    procs_per_node: int
+    nodes: tuple[NodePlan, ...]
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.procs_per_node
+
+    def node_of(self, global_rank: int) -> int:
+        """The node rank that hosts ``global_rank``."""
+        if not 0 <= global_rank < self.world_size:
+            raise BadRequest(f"rank {global_rank} is outside 0..{self.world_size - 1}")
+        return global_rank // self.procs_per_node
+
+
+def rank_plan(spec: JobSpec) -> RankPlan:
+    n, p = spec.gang.num_workers, spec.gang.procs_per_worker
+    nodes = tuple(NodePlan(r, range(r * p, (r + 1) * p)) for r in range(n))
+    return RankPlan(num_nodes=n, procs_per_node=p, nodes=nodes)
+
+
+def entrypoint_argv(spec: JobSpec) -> list[str]:
+    """The script (or ``-m module``) and its arguments, as torchrun takes them."""
+    module = spec.module
+    head = ["-m", module] if module is not None else [spec.entrypoint.strip()]
+    return [*head, *spec.args]
+
+
+def torchrun_argv(
+    spec: JobSpec,
+    node_rank: int,
+    master_addr: str,
+    master_port: int | str,
+    python: str = "python",
+) -> list[str]:
+    """The command node ``node_rank`` runs; every node runs the same but for --node-rank."""
+    gang = spec.gang
+    if not 0 <= node_rank < gang.num_workers:
+        raise BadRequest(f"node rank {node_rank} is outside 0..{gang.num_workers - 1}")
+    return [
+        python,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(gang.num_workers),
+        "--nproc-per-node",
+        str(gang.procs_per_worker),
+        "--node-rank",
+        str(node_rank),
+        "--master-addr",
+        master_addr,
+        "--master-port",
+        str(master_port),
+        "--max-restarts=0",
+        *entrypoint_argv(spec),
+    ]
+
+
+def shell_line(argv: list[str]) -> str:
+    """The argv as one line a user can paste into a shell."""
+    return shlex.join(argv)

@@ -1,0 +1,298 @@
+"""Gang placement: N distinct idle workers at once, or none, with one path class (seeds 000, 001).
+
+``place_gang(spec, snapshot)`` is a pure decision: the same snapshot gives the same answer.
+
+A gang of N > 1 needs N idle workers that
+  - each have torch, the torchrun launcher, the job's backend, an advertise address, and
+    at least ``resources.gpus`` GPUs (``procs_per_worker`` never exceeds it; see spec rules);
+  - share one torch version and, under nccl, one GPU vendor;
+  - sit inside the network class: colocated = one provider region, regional = one region
+    class (any provider), global = anywhere;
+  - can all take one path class: private (one provider region, one private network),
+    direct (every member can create a WireGuard device) or, only with transport auto,
+    relayed (some member is container-only or cannot make a device).
+Candidates are compared by the path's relative cost (private < direct; relayed counts 4x
+direct), then by a fixed order of their attributes, so the answer is deterministic.
+Inside the winning group the workers whose GPU count fits the job most tightly go first,
+then by worker id. A gang of one needs no network and always gets the private class.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from muster.scheduler.pool import KindListener, PoolIndex, WorkerKind
+from muster.spec.job import JobSpec
+from muster.spec.network import NetworkClass, PathClass, Transport
+from muster.spec.worker import WorkerInventory, WorkerView
+
+
+class Need(NamedTuple):
+    """What a job asks of the pool; jobs with the same Need share cached groups."""
+
+    workers: int
+    backend: str
+    gpus: int
+    device: str
+    network: NetworkClass
+    transport: Transport
+
+    @staticmethod
+    def of(spec: JobSpec) -> Need:
+        gang = spec.gang
+        return Need(
+            workers=gang.num_workers,
+            backend=spec.backend,
+            gpus=spec.resources.gpus,
+            device=spec.resources.effective_device,
+            network=gang.network,
+            transport=gang.transport,
+        )
+
+    def describe(self) -> str:
+        parts = ["one torch version", "torchrun", self.backend]
+        if self.gpus:
+            parts.append(
+                f">= {self.gpus} GPUs" + (" of one vendor" if self.backend == "nccl" else "")
+            )
+        if self.workers > 1:
+            parts.append("an advertise address")
+            parts.append(
+                {
+                    "colocated": "in one provider region",
+                    "regional": "in one region class",
+                    "global": "anywhere",
+                }[self.network]
+            )
+            parts.append("a private or direct path" if self.transport == "direct" else "any path")
+        noun = "worker" if self.workers == 1 else "workers"
+        return f"needs {self.workers} idle {noun} with " + ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The chosen gang: ``members[r]`` is node rank r."""
+
+    path: PathClass
+    members: tuple[WorkerInventory, ...]
+
+    @property
+    def worker_ids(self) -> tuple[str, ...]:
+        return tuple(m.id for m in self.members)
+
+
+@dataclass(frozen=True)
+class Unplaceable:
+    """Why no gang fits now; ``reason`` is the job's "why pending" line."""
+
+    reason: str
+    ruled_out: tuple[tuple[str, int], ...] = ()
+
+
+def kind_problem(kind: WorkerKind, need: Need) -> str | None:
+    """Why one worker of this kind can never be a member of this job's gang, or None."""
+    if kind.torch_version is None:
+        return "lack torch"
+    if not kind.torchrun:
+        return "lack the torchrun launcher"
+    if need.backend not in kind.backends:
+        return f"lack {need.backend}"
+    if need.gpus and kind.gpu_count < need.gpus:
+        return f"have fewer than {need.gpus} GPUs"
+    if need.device == "cuda" and kind.gpu_vendor not in ("nvidia", "amd"):
+        return "have no CUDA (or ROCm) GPUs"
+    if need.workers > 1:
+        if not kind.has_address:
+            return "have no advertise address"
+        if need.transport == "direct" and not (
+            kind.can_create_device or kind.private_network_id is not None
+        ):
+            what = "are container-only" if kind.container_only else "cannot create a device"
+            return f"{what} and share no private network (transport: auto allows relayed)"
+    return None
+
+
+class _Group:
+    """Kinds that can form one gang together on one path; ``idle`` tracks their idle workers."""
+
+    __slots__ = ("idle", "kinds", "label", "path", "sort_key")
+
+    def __init__(
+        self, path: PathClass, label: str, sort_key: tuple[object, ...], kinds: list[WorkerKind]
+    ) -> None:
+        self.path = path
+        self.label = label
+        self.sort_key = sort_key
+        self.kinds = kinds
+        self.idle = 0
+
+
+@dataclass
+class _NeedIndex:
+    eligible: set[WorkerKind]
+    problems: dict[WorkerKind, str]
+    groups: list[_Group]
+    groups_of: dict[WorkerKind, list[_Group]] = field(default_factory=lambda: defaultdict(list))
+
+
+class GroupCache(KindListener):
+    """Per-Need candidate groups over a PoolIndex, kept current through take/give_back."""
+
+    def __init__(self, pool: PoolIndex) -> None:
+        self.pool = pool
+        self.needs: dict[Need, _NeedIndex] = {}
+        pool.listeners.append(self)
+
+    @staticmethod
+    def of(pool: PoolIndex) -> GroupCache:
+        for listener in pool.listeners:
+            if isinstance(listener, GroupCache):
+                return listener
+        return GroupCache(pool)
+
+    def changed(self, kind: WorkerKind, delta: int) -> None:
+        for index in self.needs.values():
+            for group in index.groups_of.get(kind, ()):
+                group.idle += delta
+
+    def index(self, need: Need) -> _NeedIndex:
+        found = self.needs.get(need)
+        if found is None:
+            found = self.needs[need] = self._build(need)
+        return found
+
+    def _build(self, need: Need) -> _NeedIndex:
+        problems: dict[WorkerKind, str] = {}
+        eligible: set[WorkerKind] = set()
+        for kind in self.pool.slots:
+            problem = kind_problem(kind, need)
+            if problem is None:
+                eligible.add(kind)
+            else:
+                problems[kind] = problem
+        groups = _candidate_groups(sorted(eligible, key=lambda k: k.sort_key), need)
+        index = _NeedIndex(eligible, problems, groups)
+        for group in groups:
+            for kind in group.kinds:
+                index.groups_of[kind].append(group)
+                group.idle += self.pool.slots[kind].idle
+        return index
+
+
+def _network_key(kind: WorkerKind, network: NetworkClass) -> tuple[str, ...]:
+    if network == "colocated":
+        return (kind.provider, kind.region)
+    if network == "regional":
+        return (kind.region_class,)
+    return ()
+
+
+def _network_label(key: tuple[str, ...], network: NetworkClass) -> str:
+    if network == "colocated":
+        return f"region {key[0]}/{key[1]}"
+    if network == "regional":
+        return f"region class {key[0]}"
+    return "any region"
+
+
+def _candidate_groups(kinds: list[WorkerKind], need: Need) -> list[_Group]:
+    if need.workers == 1:
+        return [_Group(PathClass.PRIVATE, "one worker", (), kinds)] if kinds else []
+    partitions: dict[tuple[str, str, tuple[str, ...]], list[WorkerKind]] = defaultdict(list)
+    for kind in kinds:
+        vendor = (kind.gpu_vendor or "") if need.backend == "nccl" else ""
+        key = (kind.torch_version or "", vendor, _network_key(kind, need.network))
+        partitions[key].append(kind)
+    groups: list[_Group] = []
+    for (torch, vendor, net), members in partitions.items():
+        where = f"torch {torch}" + (f", {vendor}" if vendor else "")
+        where += f", {_network_label(net, need.network)}"
+        base = (torch, vendor, net)
+        private: dict[tuple[str, str, str], list[WorkerKind]] = defaultdict(list)
+        for kind in members:
+            if kind.private_network_id is not None:
+                private[(kind.provider, kind.region, kind.private_network_id)].append(kind)
+        for (provider, region, net_id), sub in private.items():
+            label = f"{where}, private network {net_id} in {provider}/{region}"
+            groups.append(_Group(PathClass.PRIVATE, label, (*base, provider, region, net_id), sub))
+        direct = [k for k in members if k.can_create_device]
+        if direct:
+            groups.append(_Group(PathClass.DIRECT, where, base, direct))
+        if need.transport == "auto":
+            groups.append(_Group(PathClass.RELAYED, where, base, members))
+    groups.sort(key=lambda g: (g.path.relative_cost, g.sort_key))
+    return groups
+
+
+def _available(group: _Group, pool: PoolIndex, exclude: frozenset[WorkerKind]) -> int:
+    if not exclude:
+        return group.idle
+    return sum(pool.slots[k].idle for k in group.kinds if k not in exclude)
+
+
+def place_gang(
+    spec: JobSpec,
+    snapshot: PoolIndex | Sequence[WorkerView | WorkerInventory],
+    *,
+    exclude: frozenset[WorkerKind] = frozenset(),
+) -> Placement | Unplaceable:
+    """Choose the job's whole gang from the snapshot's idle workers, or say why none fits.
+
+    ``exclude`` holds worker kinds that jobs earlier in the queue are waiting for.
+    """
+    pool = snapshot if isinstance(snapshot, PoolIndex) else PoolIndex(snapshot)
+    need = Need.of(spec)
+    index = GroupCache.of(pool).index(need)
+    for group in index.groups:  # already in preference order
+        if _available(group, pool, exclude) >= need.workers:
+            return Placement(group.path, _pick(group, pool, need, exclude))
+    return Unplaceable(*_explain(need, pool, index, exclude))
+
+
+def _pick(
+    group: _Group, pool: PoolIndex, need: Need, exclude: frozenset[WorkerKind]
+) -> tuple[WorkerInventory, ...]:
+    chosen: list[str] = []
+    for kind in sorted(group.kinds, key=lambda k: (k.gpu_count - need.gpus, k.sort_key)):
+        if kind in exclude:
+            continue
+        for wid in pool.slots[kind].ids:
+            chosen.append(wid)
+            if len(chosen) == need.workers:
+                return tuple(pool.inventory[w] for w in sorted(chosen))
+    raise AssertionError("group had fewer idle workers than counted")  # pragma: no cover
+
+
+def _explain(
+    need: Need, pool: PoolIndex, index: _NeedIndex, exclude: frozenset[WorkerKind]
+) -> tuple[str, tuple[tuple[str, int], ...]]:
+    head = need.describe()
+    idle = pool.idle_count
+    if pool.total == 0:
+        return f"{head}; no workers have joined", ()
+    others = ", ".join(f"{n} {s.value}" for s, n in sorted(pool.not_idle.items()) if n)
+    idle_part = f"{idle} of {pool.total} workers idle" + (f" ({others})" if others else "")
+    ruled: Counter[str] = Counter()
+    for kind, problem in index.problems.items():
+        ruled[problem] += pool.slots[kind].idle
+    ruled_out = tuple((p, n) for p, n in sorted(ruled.items(), key=lambda i: (-i[1], i[0])) if n)
+    parts = [head, idle_part]
+    if ruled_out:
+        parts.append(", ".join(f"{n} {p}" for p, n in ruled_out))
+    matching = sum(pool.slots[k].idle for k in index.eligible)
+    held = sum(pool.slots[k].idle for k in index.eligible if k in exclude)
+    if held and matching >= need.workers:
+        parts.append(f"{held} that fit are held for jobs ahead in the queue")
+    sizes = sorted(
+        ((_available(g, pool, exclude), g) for g in index.groups),
+        key=lambda item: (-item[0], item[1].path.relative_cost, item[1].sort_key),
+    )
+    best = [f"{n} on {g.path.value} path ({g.label})" for n, g in sizes[:3] if n]
+    if need.workers > 1 and best:
+        parts.append(f"{matching} idle match each need; largest groups: " + "; ".join(best))
+    elif matching < need.workers:
+        parts.append(f"{matching} idle match")
+    return "; ".join(parts), ruled_out

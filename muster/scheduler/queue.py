@@ -1,0 +1,70 @@
+"""The queue policy: which waiting job gets workers first, and how none starves.
+
+Rule:
+  1. Jobs are considered by priority (higher first), then by submission order.
+  2. A job that fits is placed at once, and its workers leave the pool for this pass.
+  3. A job that does not fit holds every idle worker it could use (every worker of a
+     kind that passes its per-worker needs). A job behind it may only take workers that
+     no job ahead of it is holding. Small jobs therefore backfill around a large waiting
+     job, but never on the machines it is waiting to gather, so it cannot starve.
+  4. Except: a job that could not fit even if every reserved and busy worker were free
+     (the pool is too small for it) holds nothing; it waits, with that reason, for more
+     workers to join, and the jobs behind it run.
+
+``schedule`` is pure with respect to the snapshot it is given: it consumes a PoolIndex
+built for this pass (taking the placed workers out of it) and returns the decisions; the
+caller applies them in the store, one transaction per placement.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from muster.scheduler.place import GroupCache, Need, Placement, Unplaceable, place_gang
+from muster.scheduler.pool import PoolIndex, WorkerKind
+from muster.spec.job import JobSpec
+
+
+@dataclass(frozen=True)
+class QueuedJob:
+    id: str
+    spec: JobSpec
+    seq: int  # submission order
+
+
+@dataclass(frozen=True)
+class Decision:
+    job_id: str
+    outcome: Placement | Unplaceable
+
+
+def queue_order(jobs: Sequence[QueuedJob]) -> list[QueuedJob]:
+    """Higher priority first, then earlier submission."""
+    return sorted(jobs, key=lambda j: (-j.spec.priority, j.seq))
+
+
+def schedule(jobs: Sequence[QueuedJob], pool: PoolIndex) -> list[Decision]:
+    """One scheduler pass over the waiting jobs; see the module docstring for the rule."""
+    cache = GroupCache.of(pool)
+    held: frozenset[WorkerKind] = frozenset()
+    waiting_for: list[str] = []
+    decisions: list[Decision] = []
+    for job in queue_order(jobs):
+        outcome = place_gang(job.spec, pool, exclude=held)
+        if isinstance(outcome, Placement):
+            pool.take(outcome.worker_ids)
+        else:
+            if held and isinstance(place_gang(job.spec, pool), Placement):
+                outcome = Unplaceable(
+                    f"waiting behind {', '.join(waiting_for)} (queue order): the idle workers "
+                    "that fit are held for the job(s) ahead",
+                    outcome.ruled_out,
+                )
+            eligible = cache.index(Need.of(job.spec)).eligible
+            capacity = sum(pool.slots[k].idle + pool.slots[k].in_use for k in eligible)
+            if capacity >= job.spec.gang.num_workers:
+                held = held | frozenset(eligible)
+                waiting_for.append(job.id)
+        decisions.append(Decision(job.id, outcome))
+    return decisions

@@ -1,0 +1,123 @@
+"""The job spec: what a user writes in job.yaml or builds in Python.
+
+The models check shape and types (unknown fields and wrong types are refused); the rules
+that look at several fields at once live in ``muster.spec.rules``. Use ``parse_job`` (or
+``load_job_file``) to get both: it raises ``SpecError`` listing every problem.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+from muster.spec.network import NetworkClass, Transport
+
+Device = Literal["cpu", "cuda", "mps"]
+Backend = Literal["gloo", "nccl"]
+Membership = Literal["pool", "window"]
+
+_DURATION = re.compile(r"^(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?$")
+
+
+def parse_duration(value: object) -> object:
+    """Accept seconds (int) or '90s', '30m', '2h', '1h30m', '1d'; return seconds."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text.isdigit():
+            return int(text)
+        match = _DURATION.match(text)
+        if not text or match is None:
+            raise ValueError(
+                f"{value!r} is not a duration; write seconds or e.g. '90s', '30m', '2h'"
+            )
+        days, hours, minutes, seconds = (int(g) if g else 0 for g in match.groups())
+        return ((days * 24 + hours) * 60 + minutes) * 60 + seconds
+    return value
+
+
+Seconds = Annotated[int, BeforeValidator(parse_duration), Field(gt=0)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class Resources(_Model):
+    """What each worker (node) of the job needs."""
+
+    gpus: int = Field(default=0, ge=0, description="GPUs per worker")
+    device: Device | None = Field(
+        default=None, description="cpu, cuda or mps; defaults to cuda when gpus > 0, else cpu"
+    )
+
+    @property
+    def effective_device(self) -> Device:
+        if self.device is not None:
+            return self.device
+        return "cuda" if self.gpus > 0 else "cpu"
+
+
+class Rendezvous(_Model):
+    port: int | None = Field(
+        default=None, ge=1, le=65535, description="node 0's master port; a free one if unset"
+    )
+
+
+class Distributed(_Model):
+    """How the job spreads over machines (seed 001)."""
+
+    num_workers: int = Field(ge=1, description="nodes in the gang")
+    procs_per_worker: int = Field(default=1, ge=1, description="torchrun processes per node")
+    backend: Backend | None = Field(
+        default=None, description="gloo or nccl; defaults to nccl on cuda, else gloo"
+    )
+    rendezvous: Rendezvous = Field(default_factory=Rendezvous)
+    network: NetworkClass = "regional"
+    transport: Transport = "direct"
+    membership: Membership = "pool"
+
+    @property
+    def world_size(self) -> int:
+        return self.num_workers * self.procs_per_worker
+
+
+class JobSpec(_Model):
+    """One training job. ``distributed`` absent means one worker, one process."""
+
+    name: str = Field(description="a DNS label: lowercase letters, digits and '-', <= 63")
+    entrypoint: str = Field(description="a script path (train.py) or a module (-m pkg.train)")
+    args: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+    image: str | None = Field(default=None, description="container image (Kubernetes backend)")
+    workdir: str = Field(default=".", description="directory packed as the source bundle")
+    output_dir: str = Field(
+        default="outputs",
+        description="directory (relative to the run dir) exported as MUSTER_OUTPUT_DIR, uploaded",
+    )
+    timeout: Seconds | None = Field(default=None, description="seconds, or '30m', '2h'")
+    priority: int = 0
+    labels: dict[str, str] = Field(default_factory=dict)
+    retries: int = Field(default=0, ge=0)
+    resources: Resources = Field(default_factory=Resources)
+    distributed: Distributed | None = None
+
+    @property
+    def gang(self) -> Distributed:
+        """The distributed block in force: a job without one is a gang of one."""
+        return self.distributed if self.distributed is not None else Distributed(num_workers=1)
+
+    @property
+    def backend(self) -> Backend:
+        if self.gang.backend is not None:
+            return self.gang.backend
+        return "nccl" if self.resources.effective_device == "cuda" else "gloo"
+
+    @property
+    def module(self) -> str | None:
+        """The module name when the entrypoint is ``-m module``, else None."""
+        parts = self.entrypoint.split()
+        if len(parts) == 2 and parts[0] in ("-m", "--module"):
+            return parts[1]
+        return None

@@ -1,0 +1,194 @@
+"""Submission rules that look across fields (seed 001, step 1; seed 000 for LD_PRELOAD).
+
+Each rule returns FieldErrors naming the field and the fix; ``check_job`` runs them all so a
+user sees every problem at once. Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from muster.errors import FieldError
+from muster.spec.job import JobSpec
+
+DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+#: Variables torchrun or the gang's network path set; a job may not set them.
+PLATFORM_ENV = frozenset(
+    {
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "NCCL_NET",
+        "NCCL_SOCKET_IFNAME",
+        "NCCL_SOCKET_FAMILY",
+        "NCCL_IB_DISABLE",
+        "GLOO_SOCKET_IFNAME",
+    }
+)
+PLATFORM_ENV_PREFIXES = ("PET_", "MUSTER_")
+
+
+def dns_label_problem(name: str) -> str | None:
+    """Why ``name`` is not an RFC 1123 DNS label, or None when it is one."""
+    if DNS_LABEL.match(name):
+        return None
+    suggestion = re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-")[:63].strip("-")
+    hint = f"; try {suggestion!r}" if suggestion and DNS_LABEL.match(suggestion) else ""
+    return (
+        f"{name!r} is not a DNS label: use lowercase letters, digits and '-', "
+        f"start and end with a letter or digit, at most 63 characters{hint}"
+    )
+
+
+def check_job(spec: JobSpec) -> list[FieldError]:
+    """Every cross-field rule a job must pass before it is stored."""
+    return [
+        *_name(spec),
+        *_entrypoint(spec),
+        *_paths(spec),
+        *_env(spec),
+        *_labels(spec),
+        *_resources(spec),
+        *_distributed(spec),
+    ]
+
+
+def _name(spec: JobSpec) -> Iterator[FieldError]:
+    problem = dns_label_problem(spec.name)
+    if problem:
+        yield FieldError("name", problem)
+
+
+def _entrypoint(spec: JobSpec) -> Iterator[FieldError]:
+    parts = spec.entrypoint.split()
+    if not parts:
+        yield FieldError("entrypoint", "is empty; give a script (train.py) or a module (-m pkg)")
+    elif parts[0] in ("-m", "--module"):
+        if len(parts) != 2 or not MODULE_NAME.match(parts[1]):
+            yield FieldError(
+                "entrypoint",
+                f"{spec.entrypoint!r}: write '-m package.module' and put arguments in args",
+            )
+    elif len(parts) > 1:
+        yield FieldError(
+            "entrypoint",
+            f"{spec.entrypoint!r} has arguments; set entrypoint: {parts[0]} and args: {parts[1:]}",
+        )
+
+
+def _paths(spec: JobSpec) -> Iterator[FieldError]:
+    out = spec.output_dir
+    if not out or out.startswith("/") or ".." in out.split("/"):
+        yield FieldError(
+            "output_dir",
+            f"{out!r} must be a relative path inside the run directory, without '..' "
+            "(e.g. outputs)",
+        )
+    if not spec.workdir:
+        yield FieldError("workdir", "is empty; use '.' for the directory of the job file")
+
+
+def env_key_problem(key: str, transport: str) -> str | None:
+    """Why a job may not set ``key`` in env, or None when it may."""
+    if not ENV_NAME.match(key):
+        return "is not a valid variable name ([A-Za-z_][A-Za-z0-9_]*)"
+    if key in PLATFORM_ENV or key.startswith(PLATFORM_ENV_PREFIXES):
+        return (
+            "is set by muster and torchrun for every rank; remove it "
+            "(rank and address variables come from the rank plan and the gang's path)"
+        )
+    if key == "LD_PRELOAD" and transport == "auto":
+        return (
+            "cannot be set with distributed.transport: auto, because a relayed gang "
+            "preloads muster's shim first; set it in the image (it is kept after the "
+            "shim) or use transport: direct"
+        )
+    return None
+
+
+def check_raw(data: Mapping[str, Any]) -> list[FieldError]:
+    """The rules that can still be checked when the data failed type validation."""
+    errors: list[FieldError] = []
+    name = data.get("name")
+    if isinstance(name, str) and (problem := dns_label_problem(name)):
+        errors.append(FieldError("name", problem))
+    dist = data.get("distributed")
+    transport = dist.get("transport", "direct") if isinstance(dist, Mapping) else "direct"
+    env = data.get("env")
+    if isinstance(env, Mapping):
+        for key in env:
+            if isinstance(key, str) and (problem := env_key_problem(key, str(transport))):
+                errors.append(FieldError(f"env.{key}", problem))
+    return errors
+
+
+def _env(spec: JobSpec) -> Iterator[FieldError]:
+    for key in spec.env:
+        problem = env_key_problem(key, spec.gang.transport)
+        if problem:
+            yield FieldError(f"env.{key}", problem)
+
+
+def _labels(spec: JobSpec) -> Iterator[FieldError]:
+    for key, value in spec.labels.items():
+        if not re.match(r"^[A-Za-z0-9]([-A-Za-z0-9_./]{0,61}[A-Za-z0-9])?$", key):
+            yield FieldError(f"labels.{key}", "keys are letters, digits, '-', '_', '.', '/'")
+        if len(value) > 63:
+            yield FieldError(f"labels.{key}", "values are at most 63 characters")
+
+
+def _resources(spec: JobSpec) -> Iterator[FieldError]:
+    res = spec.resources
+    device = res.effective_device
+    if device == "cuda" and res.gpus == 0:
+        yield FieldError("resources.gpus", "is 0 with device: cuda; request gpus: 1 or more")
+    if device == "cpu" and res.gpus > 0:
+        yield FieldError(
+            "resources.device",
+            f"is cpu but resources.gpus={res.gpus}; set device: cuda or gpus: 0",
+        )
+
+
+def _distributed(spec: JobSpec) -> Iterator[FieldError]:
+    dist = spec.distributed
+    if dist is None:
+        return
+    res = spec.resources
+    if res.effective_device == "mps":
+        yield FieldError(
+            "resources.device",
+            "mps cannot run a distributed job (no collective backend); use cuda or cpu, "
+            "or remove the distributed block",
+        )
+    if dist.backend == "nccl" and res.effective_device != "cuda":
+        yield FieldError(
+            "distributed.backend",
+            f"nccl needs CUDA but the device is {res.effective_device}; "
+            "use backend: gloo, or request GPUs (resources.gpus, device: cuda)",
+        )
+    if res.gpus > 0 and dist.procs_per_worker > res.gpus:
+        yield FieldError(
+            "distributed.procs_per_worker",
+            f"procs_per_worker={dist.procs_per_worker} exceeds resources.gpus={res.gpus}; "
+            "run at most one process per GPU",
+        )
+    if spec.retries > 0:
+        yield FieldError(
+            "retries",
+            "must be 0 on a distributed job: muster never retries a partly run gang; "
+            "checkpoint to MUSTER_OUTPUT_DIR and resubmit",
+        )
+    if dist.membership == "window":
+        yield FieldError(
+            "distributed.membership",
+            "window membership is not available yet; use membership: pool",
+        )

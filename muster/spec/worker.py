@@ -1,0 +1,68 @@
+"""What an agent offers: its machine's inventory, as the scheduler sees it."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from muster.spec.states import WorkerState
+
+GpuVendor = Literal["nvidia", "amd", "intel", "apple"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class Gpus(_Model):
+    count: int = Field(default=0, ge=0)
+    vendor: GpuVendor | None = None
+    model: str | None = None
+    memory_mb: int = Field(default=0, ge=0, description="memory per GPU")
+
+
+class NetworkCaps(_Model):
+    """Which gang paths this machine can take part in (seed 000)."""
+
+    private_network_id: str | None = Field(
+        default=None, description="id of the provider private network it sits on, if any"
+    )
+    private_address: str | None = Field(default=None, description="its address on that network")
+    private_interface: str = "eth0"
+    primary_interface: str = "eth0"
+    can_create_device: bool = Field(
+        default=False, description="may create a WireGuard device (direct path)"
+    )
+    container_only: bool = Field(
+        default=False, description="no network device, no CAP_NET_ADMIN, no UDP"
+    )
+
+
+class WorkerInventory(_Model):
+    """One machine an agent runs on."""
+
+    id: str
+    hostname: str
+    advertise_address: str | None = None
+    python_version: str = ""
+    torch_version: str | None = Field(default=None, description="None when torch is missing")
+    torchrun: bool = False
+    backends: list[str] = Field(default_factory=list)
+    gpus: Gpus = Field(default_factory=Gpus)
+    provider: str = "local"
+    region: str = "local"
+    region_class: str = "local"
+    network: NetworkCaps = Field(default_factory=NetworkCaps)
+    labels: dict[str, str] = Field(default_factory=dict)
+
+
+class WorkerView(_Model):
+    """A worker in a scheduler snapshot: its inventory and its state."""
+
+    inventory: WorkerInventory
+    state: WorkerState = WorkerState.IDLE
+
+    @property
+    def id(self) -> str:
+        return self.inventory.id

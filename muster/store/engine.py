@@ -1,0 +1,158 @@
+"""Opening the database: SQLite (WAL) in the user's data dir by default, PostgreSQL by URL.
+
+Every open runs the alembic migrations up to head, so a new file or an empty PostgreSQL
+database is ready at once and an older one is upgraded in place.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import platformdirs
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError, OperationalError
+from sqlalchemy.orm import Session, sessionmaker
+
+from muster.errors import StoreUnavailable, UserError
+
+MIGRATIONS = Path(__file__).parent / "migrations"
+SQLITE_BUSY_TIMEOUT_MS = 10_000  # the longest any write waits for another writer
+
+
+def data_dir() -> Path:
+    """Where muster keeps its database and artifacts (MUSTER_DATA_DIR overrides)."""
+    override = os.environ.get("MUSTER_DATA_DIR")
+    return Path(override) if override else Path(platformdirs.user_data_dir("muster"))
+
+
+def default_url() -> str:
+    return f"sqlite:///{data_dir() / 'muster.db'}"
+
+
+def normalize_url(url: str) -> str:
+    """Accept 'postgresql://' (use psycopg 3), 'sqlite:///path' or a bare file path."""
+    if "://" not in url:
+        return f"sqlite:///{Path(url).expanduser().resolve()}"
+    if url.startswith(("postgresql://", "postgres://")):
+        return "postgresql+psycopg://" + url.split("://", 1)[1]
+    return url
+
+
+def make_engine(url: str | None = None, **kwargs: Any) -> Engine:
+    """An engine with muster's connection settings; does not migrate."""
+    raw = normalize_url(url or default_url())
+    try:
+        parsed = make_url(raw)
+    except ArgumentError as exc:
+        raise UserError(
+            f"--db {url!r} is not a database URL; use a file path, sqlite:///PATH "
+            "or postgresql://user:password@host/db"
+        ) from exc
+    if parsed.get_backend_name() == "sqlite":
+        if parsed.database and parsed.database != ":memory:":
+            Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(
+            parsed, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000}, **kwargs
+        )
+        event.listen(engine, "connect", _sqlite_connect)
+        event.listen(engine, "begin", _sqlite_begin)
+        return engine
+    if parsed.get_backend_name() == "postgresql":
+        try:
+            import psycopg  # noqa: F401
+        except ImportError as exc:
+            raise UserError(
+                "PostgreSQL needs the psycopg driver: pip install 'muster[postgres]'"
+            ) from exc
+        return create_engine(parsed, pool_pre_ping=True, **kwargs)
+    raise UserError(
+        f"--db {parsed.get_backend_name()!r} is not supported; use SQLite or PostgreSQL"
+    )
+
+
+def _sqlite_connect(dbapi_connection: Any, _record: Any) -> None:
+    # Let SQLAlchemy's "begin" event issue BEGIN IMMEDIATE itself: a transaction that will
+    # write takes the write lock up front instead of failing to upgrade a read lock later.
+    dbapi_connection.isolation_level = None
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+    cursor.close()
+
+
+def _sqlite_begin(connection: Any) -> None:
+    connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def alembic_config() -> Config:
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    return config
+
+
+def migrate(engine: Engine) -> None:
+    """Upgrade the database to the newest schema (no-op when it is current)."""
+    config = alembic_config()
+    try:
+        with engine.begin() as connection:
+            config.attributes["connection"] = connection
+            command.upgrade(config, "head")
+    except OperationalError as exc:
+        raise StoreUnavailable(
+            f"cannot open the database at {engine.url.render_as_string(hide_password=True)}: "
+            f"{exc.orig}; check --db and that the server is running"
+        ) from exc
+
+
+def current_revision(engine: Engine) -> str | None:
+    with engine.connect() as connection:
+        return MigrationContext.configure(connection).get_current_revision()
+
+
+def head_revision() -> str | None:
+    return ScriptDirectory.from_config(alembic_config()).get_current_head()
+
+
+class Database:
+    """An engine plus sessions; every unit of work is one transaction."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._sessions = sessionmaker(engine, expire_on_commit=False)
+
+    @property
+    def dialect(self) -> str:
+        return self.engine.dialect.name
+
+    @contextmanager
+    def transaction(self) -> Iterator[Session]:
+        """One transaction: committed on success, rolled back on any error."""
+        session = self._sessions()
+        try:
+            with session.begin():
+                yield session
+        except OperationalError as exc:
+            raise StoreUnavailable(f"database error: {exc.orig}") from exc
+        finally:
+            session.close()
+
+    def dispose(self) -> None:
+        self.engine.dispose()
+
+
+def open_database(url: str | None = None, **kwargs: Any) -> Database:
+    """Open (creating and migrating as needed) the database at ``url``."""
+    engine = make_engine(url, **kwargs)
+    migrate(engine)
+    return Database(engine)

@@ -1,0 +1,186 @@
+"""The durable tables. Every change to them ships as an alembic migration (store/migrations).
+
+Times are UTC, stored as timezone-aware timestamps. Specs and inventories are JSON copies of
+the pydantic models, so an old row can always be read back by the model that wrote it.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, ClassVar
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+NAMING = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+# Integer primary keys that autoincrement on both engines (SQLite only does so for INTEGER).
+AutoId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+    type_annotation_map: ClassVar[dict[Any, Any]] = {
+        dict[str, Any]: JSON,
+        datetime: DateTime(timezone=True),
+    }
+
+
+class Worker(Base):
+    __tablename__ = "workers"
+
+    id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    hostname: Mapped[str] = mapped_column(String(255))
+    advertise_address: Mapped[str | None] = mapped_column(String(255))
+    inventory: Mapped[dict[str, Any]]
+    state: Mapped[str] = mapped_column(String(16), index=True)
+    job_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id"), index=True)
+    joined_at: Mapped[datetime]
+    last_seen: Mapped[datetime]
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+
+    seq: Mapped[int] = mapped_column(AutoId, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(80), unique=True)
+    name: Mapped[str] = mapped_column(String(63), index=True)
+    spec: Mapped[dict[str, Any]]
+    state: Mapped[str] = mapped_column(String(16), index=True)
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    path_class: Mapped[str | None] = mapped_column(String(16))
+    why_pending: Mapped[str | None] = mapped_column(Text)
+    root_cause: Mapped[str | None] = mapped_column(Text)
+    bundle_sha256: Mapped[str | None] = mapped_column(String(64))
+    submitted_at: Mapped[datetime]
+    started_at: Mapped[datetime | None]
+    finished_at: Mapped[datetime | None]
+
+
+class GangEpoch(Base):
+    """One attempt at running a job's gang with a fixed member set."""
+
+    __tablename__ = "gang_epochs"
+    __table_args__ = (UniqueConstraint("job_id", "number"),)
+
+    id: Mapped[int] = mapped_column(AutoId, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"), index=True)
+    number: Mapped[int] = mapped_column(Integer)
+    path_class: Mapped[str] = mapped_column(String(16))
+    master_addr: Mapped[str | None] = mapped_column(String(255))
+    master_port: Mapped[int | None] = mapped_column(Integer)
+    created_at: Mapped[datetime]
+    fenced_at: Mapped[datetime | None]
+
+
+class Member(Base):
+    """Node rank r of one gang epoch, on one worker."""
+
+    __tablename__ = "members"
+    __table_args__ = (
+        UniqueConstraint("epoch_id", "node_rank"),
+        UniqueConstraint("epoch_id", "worker_id"),
+    )
+
+    id: Mapped[int] = mapped_column(AutoId, primary_key=True, autoincrement=True)
+    epoch_id: Mapped[int] = mapped_column(ForeignKey("gang_epochs.id"), index=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"), index=True)
+    node_rank: Mapped[int] = mapped_column(Integer)
+    worker_id: Mapped[str] = mapped_column(ForeignKey("workers.id"), index=True)
+    state: Mapped[str] = mapped_column(String(16))
+    exit_code: Mapped[int | None] = mapped_column(Integer)
+    signal: Mapped[str | None] = mapped_column(String(16))
+    advertise_address: Mapped[str | None] = mapped_column(String(255))
+    path_address: Mapped[str | None] = mapped_column(String(255))
+    assigned_at: Mapped[datetime | None]
+    started_at: Mapped[datetime | None]
+    finished_at: Mapped[datetime | None]
+
+
+class Event(Base):
+    __tablename__ = "events"
+    __table_args__ = (Index("ix_events_job_time", "job_id", "id"),)
+
+    id: Mapped[int] = mapped_column(AutoId, primary_key=True, autoincrement=True)
+    job_id: Mapped[str | None] = mapped_column(String(80))
+    worker_id: Mapped[str | None] = mapped_column(String(128))
+    time: Mapped[datetime]
+    kind: Mapped[str] = mapped_column(String(64))
+    message: Mapped[str] = mapped_column(Text)
+    data: Mapped[dict[str, Any]]
+
+
+class Condition(Base):
+    """Kubernetes-style conditions: GangReady, NetworkQualified, NetworkDegraded, ..."""
+
+    __tablename__ = "conditions"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"), primary_key=True)
+    type: Mapped[str] = mapped_column(String(64), primary_key=True)
+    status: Mapped[str] = mapped_column(String(8))  # True | False | Unknown
+    reason: Mapped[str] = mapped_column(String(64))
+    message: Mapped[str] = mapped_column(Text)
+    last_transition: Mapped[datetime]
+
+
+class LogLine(Base):
+    """One line a rank (origin 'rank') or a node's launcher (origin 'node') wrote.
+
+    (job, origin, rank, seq) is the key, so a resent batch never duplicates a line.
+    """
+
+    __tablename__ = "log_lines"
+
+    job_id: Mapped[str] = mapped_column(String(80), primary_key=True)
+    origin: Mapped[str] = mapped_column(String(8), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    seq: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    time: Mapped[datetime]
+    stream: Mapped[str] = mapped_column(String(8))
+    text: Mapped[str] = mapped_column(Text)
+
+
+class Artifact(Base):
+    __tablename__ = "artifacts"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"), primary_key=True)
+    node_rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    path: Mapped[str] = mapped_column(String(1024), primary_key=True)
+    size: Mapped[int] = mapped_column(BigInteger)
+    sha256: Mapped[str] = mapped_column(String(64))
+    stored_at: Mapped[datetime]
+
+
+class ProbeResult(Base):
+    """One measured pair of a gang epoch's probe (seed 000)."""
+
+    __tablename__ = "probe_results"
+
+    id: Mapped[int] = mapped_column(AutoId, primary_key=True, autoincrement=True)
+    epoch_id: Mapped[int] = mapped_column(ForeignKey("gang_epochs.id"), index=True)
+    src_node: Mapped[int] = mapped_column(Integer)
+    dst_node: Mapped[int] = mapped_column(Integer)
+    ok: Mapped[bool] = mapped_column(Boolean)
+    rtt_ms: Mapped[float | None] = mapped_column(Float)
+    tcp_gbps: Mapped[float | None] = mapped_column(Float)
+    path: Mapped[str] = mapped_column(String(64))
+    error: Mapped[str | None] = mapped_column(Text)
+    measured_at: Mapped[datetime]

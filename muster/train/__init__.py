@@ -1,0 +1,1 @@
+"""Training-side library; the only package that imports torch (seed 002)."""

@@ -1,0 +1,1 @@
+"""Dashboard templates and static files served by the controller."""

@@ -1,0 +1,1 @@
+"""Control-link frames between controller and agents: kinds, byte layout, MAC."""

@@ -1,0 +1,33 @@
+"""Shared fixtures: fresh databases on both engines (SQLite file, real PostgreSQL server)."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from tests.pg import PostgresServer, start_postgres
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[PostgresServer]:
+    server, why_not = start_postgres()
+    if server is None:
+        if os.environ.get("MUSTER_TEST_REQUIRE_POSTGRES") == "1":
+            pytest.fail(f"PostgreSQL is required here (MUSTER_TEST_REQUIRE_POSTGRES=1): {why_not}")
+        pytest.skip(f"PostgreSQL not available: {why_not}")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def db_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The URL of a new, empty database on each engine."""
+    if request.param == "sqlite":
+        return str(tmp_path_factory.mktemp("db") / "muster.db")
+    server: PostgresServer = request.getfixturevalue("postgres_server")
+    return server.create_database(f"t_{uuid.uuid4().hex[:12]}")
