@@ -198,6 +198,14 @@ class Store:
             job = _job(s, job_id, lock=True)
             if job.state != JobState.QUEUED.value:
                 raise PlacementConflict(f"job {job_id} is {job.state}, not queued")
+            # Lock the rows in one global order first, so racing reservations queue on
+            # PostgreSQL instead of deadlocking (SQLite already serializes writers).
+            s.execute(
+                select(Worker.id)
+                .where(Worker.id.in_(worker_ids))
+                .order_by(Worker.id)
+                .with_for_update()
+            ).all()
             taken = s.execute(
                 update(Worker)
                 .where(Worker.id.in_(worker_ids), Worker.state == WorkerState.IDLE.value)
@@ -327,8 +335,9 @@ class Store:
             index_elements=["job_id", "origin", "rank", "seq"]
         )
         with self.db.transaction() as s:
-            result = s.connection().execute(stmt, rows)
-            return max(result.rowcount, 0)
+            if self.db.dialect == "postgresql":  # psycopg's batched rowcount is not summed
+                return len(s.connection().execute(stmt.returning(LogLine.seq), rows).all())
+            return max(s.connection().execute(stmt, rows).rowcount, 0)
 
     def logs(
         self,

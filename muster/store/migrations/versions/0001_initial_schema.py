@@ -2,7 +2,7 @@
 
 Revision ID: 0001
 Revises:
-Create Date: 2026-11-29 09:35:32.426451
+Create Date: 2026-11-29 09:41:49.156276
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def upgrade() -> None:
         sa.Column("fenced_at", sa.DateTime(timezone=True), nullable=True),
         sa.ForeignKeyConstraint(["job_id"], ["jobs.id"], name=op.f("fk_gang_epochs_job_id_jobs")),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_gang_epochs")),
-        sa.UniqueConstraint("job_id", "number", name=op.f("uq_gang_epochs_job_id")),
+        sa.UniqueConstraint("job_id", "number", name=op.f("uq_gang_epochs_job_id_number")),
     )
     with op.batch_alter_table("gang_epochs", schema=None) as batch_op:
         batch_op.create_index(batch_op.f("ix_gang_epochs_job_id"), ["job_id"], unique=False)
@@ -164,8 +164,8 @@ def upgrade() -> None:
             ["worker_id"], ["workers.id"], name=op.f("fk_members_worker_id_workers")
         ),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_members")),
-        sa.UniqueConstraint("epoch_id", "node_rank", name=op.f("uq_members_epoch_id")),
-        sa.UniqueConstraint("epoch_id", "worker_id", name=op.f("uq_members_epoch_id")),
+        sa.UniqueConstraint("epoch_id", "node_rank", name=op.f("uq_members_epoch_id_node_rank")),
+        sa.UniqueConstraint("epoch_id", "worker_id", name=op.f("uq_members_epoch_id_worker_id")),
     )
     with op.batch_alter_table("members", schema=None) as batch_op:
         batch_op.create_index(batch_op.f("ix_members_epoch_id"), ["epoch_id"], unique=False)

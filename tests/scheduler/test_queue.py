@@ -1,0 +1,87 @@
+"""Queue policy: priority, then submission order; a waiting job is never starved."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from muster.scheduler import Placement, PoolIndex, QueuedJob, Unplaceable, schedule
+from muster.spec import parse_job
+from tests.scheduler.workers import busy, gang, idle, worker
+
+
+def queued(jid: str, seq: int, job: dict[str, Any]) -> QueuedJob:
+    return QueuedJob(jid, parse_job(job), seq)
+
+
+def outcomes(jobs: list[QueuedJob], pool: PoolIndex) -> dict[str, Placement | Unplaceable]:
+    return {d.job_id: d.outcome for d in schedule(jobs, pool)}
+
+
+def test_higher_priority_first_then_submission_order() -> None:
+    pool = PoolIndex(idle(worker("a"), worker("b")))
+    result = outcomes(
+        [
+            queued("early", 1, gang(2)),
+            queued("late", 2, gang(2)),
+            queued("urgent", 3, gang(2, priority=10)),
+        ],
+        pool,
+    )
+    assert isinstance(result["urgent"], Placement)
+    assert isinstance(result["early"], Unplaceable)
+    assert isinstance(result["late"], Unplaceable)
+    pool = PoolIndex(idle(worker("a"), worker("b")))
+    result = outcomes([queued("late", 2, gang(2)), queued("early", 1, gang(2))], pool)
+    assert isinstance(result["early"], Placement)
+    assert isinstance(result["late"], Unplaceable)
+
+
+def test_placed_workers_leave_the_pool_within_a_pass() -> None:
+    pool = PoolIndex(idle(*(worker(f"w{i}") for i in range(5))))
+    result = outcomes(
+        [queued("a", 1, gang(2)), queued("b", 2, gang(2)), queued("c", 3, gang(2))], pool
+    )
+    got = [o for o in result.values() if isinstance(o, Placement)]
+    assert len(got) == 2
+    assert not set(got[0].worker_ids) & set(got[1].worker_ids)
+    assert isinstance(result["c"], Unplaceable)
+    assert pool.idle_count == 1
+
+
+def test_small_job_cannot_take_what_the_waiting_head_job_needs() -> None:
+    # The head needs 3 GPU workers; 2 are idle and 1 is busy, so it waits.
+    gpu = {"gpus": 2, "vendor": "nvidia"}
+    views = [
+        *idle(worker("g1", **gpu), worker("g2", **gpu), worker("cpu1", gpus=0)),
+        busy(worker("g3", **gpu)),
+    ]
+    head = queued("big", 1, gang(3, 2, resources={"gpus": 2}))
+    small = queued("small", 2, gang(1))
+    result = outcomes([head, small], PoolIndex(views))
+    assert isinstance(result["big"], Unplaceable)
+    placed = result["small"]
+    assert isinstance(placed, Placement)
+    assert placed.worker_ids == ("cpu1",), "backfill only on a worker the head cannot use"
+    # Without the CPU worker, the small job waits behind the head and says so.
+    views = [*idle(worker("g1", **gpu), worker("g2", **gpu)), busy(worker("g3", **gpu))]
+    result = outcomes([head, small], PoolIndex(views))
+    waiting = result["small"]
+    assert isinstance(waiting, Unplaceable)
+    assert "waiting behind big" in waiting.reason
+
+
+def test_a_job_too_big_for_the_pool_holds_nothing() -> None:
+    pool = PoolIndex(idle(worker("a"), worker("b")))
+    result = outcomes([queued("huge", 1, gang(5)), queued("small", 2, gang(2))], pool)
+    assert isinstance(result["huge"], Unplaceable)
+    assert isinstance(result["small"], Placement)
+
+
+def test_head_job_is_placed_when_its_workers_free_up() -> None:
+    gpu = {"gpus": 2, "vendor": "nvidia"}
+    head = queued("big", 1, gang(3, 2, resources={"gpus": 2}))
+    small = queued("small", 2, gang(1))
+    views = idle(worker("g1", **gpu), worker("g2", **gpu), worker("g3", **gpu))
+    result = outcomes([head, small], PoolIndex(views))
+    assert isinstance(result["big"], Placement)
+    assert isinstance(result["small"], Unplaceable)

@@ -1,0 +1,166 @@
+"""The store on both engines: submission, placement reservation under races, logs."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Iterator
+
+import pytest
+from sqlalchemy import func, select
+
+from muster.errors import IllegalTransition, NotFound, PlacementConflict, SpecError
+from muster.spec import JobState, WorkerState
+from muster.store import LogLineIn, Store, open_store, utcnow
+from muster.store.models import Job, Member, Worker
+from tests.scheduler.workers import gang, worker
+
+
+@pytest.fixture
+def store(db_url: str) -> Iterator[Store]:
+    s = open_store(db_url)
+    yield s
+    s.db.dispose()
+
+
+def add_workers(store: Store, n: int) -> list[str]:
+    ids = [f"w{i:02d}" for i in range(n)]
+    for wid in ids:
+        store.upsert_worker(worker(wid))
+    return ids
+
+
+def test_invalid_spec_stores_nothing(store: Store) -> None:
+    with pytest.raises(SpecError):
+        store.submit_job(gang(2, retries=1))
+    assert store.jobs() == []
+    assert store.events() == []
+
+
+def test_submit_and_read_back(store: Store) -> None:
+    job = store.submit_job(gang(2, 2))
+    again = store.job(job.id)
+    assert again.state == "queued"
+    spec = store.job_spec(again)
+    assert spec.gang.world_size == 4
+    assert [e.kind for e in store.events(job.id)] == ["Submitted"]
+    with pytest.raises(NotFound):
+        store.job("nope")
+
+
+def test_reserve_placement_is_all_or_nothing(store: Store) -> None:
+    ids = add_workers(store, 3)
+    first = store.submit_job(gang(2))
+    epoch = store.reserve_placement(first.id, ids[:2], "direct")
+    assert epoch.number == 1
+    members = store.members(first.id)
+    assert [(m.node_rank, m.worker_id, m.state) for m in members] == [
+        (0, "w00", "pending"),
+        (1, "w01", "pending"),
+    ]
+    assert store.job(first.id).state == "placing"
+
+    second = store.submit_job(gang(2))
+    with pytest.raises(PlacementConflict):
+        store.reserve_placement(second.id, [ids[1], ids[2]], "direct")
+    states = {w.id: w.state for w in store.workers()}
+    assert states == {
+        "w00": WorkerState.RESERVED,
+        "w01": WorkerState.RESERVED,
+        "w02": WorkerState.IDLE,
+    }, "the losing reservation changed nothing"
+    assert store.job(second.id).state == "queued"
+    assert store.members(second.id) == []
+
+
+def test_terminal_state_frees_the_workers(store: Store) -> None:
+    ids = add_workers(store, 2)
+    job = store.submit_job(gang(2))
+    store.reserve_placement(job.id, ids, "direct")
+    with pytest.raises(IllegalTransition):
+        store.set_job_state(job.id, JobState.SUCCEEDED)
+    store.set_job_state(job.id, JobState.RENDEZVOUS)
+    store.set_job_state(job.id, JobState.RUNNING)
+    store.set_job_state(job.id, JobState.FAILED, "node1 rank 3 exited with code 1")
+    assert store.job(job.id).root_cause == "node1 rank 3 exited with code 1"
+    assert {w.state for w in store.workers()} == {WorkerState.IDLE}
+
+
+def test_racing_reservations_never_share_a_worker(store: Store) -> None:
+    """Threads reserve overlapping gangs at once; every worker ends in at most one gang."""
+    ids = add_workers(store, 8)
+    jobs = [store.submit_job(gang(3)).id for _ in range(12)]
+    # Every job wants 3 of the 8 workers, chosen so the wishes overlap heavily.
+    wishes = {job: [ids[(i + k) % 8] for k in range(3)] for i, job in enumerate(jobs)}
+    barrier = threading.Barrier(len(jobs))
+    won: list[str] = []
+    errors: list[BaseException] = []
+
+    def reserve(job: str) -> None:
+        barrier.wait(timeout=30)
+        try:
+            store.reserve_placement(job, wishes[job], "direct")
+            won.append(job)
+        except PlacementConflict:
+            pass
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=reserve, args=(job,)) for job in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    assert won, "at least one reservation must succeed"
+    with store.db.transaction() as s:
+        members = s.scalars(select(Member)).all()
+        per_worker = Counter(m.worker_id for m in members)
+        assert max(per_worker.values()) == 1, f"a worker was given twice: {per_worker}"
+        per_job = Counter(m.job_id for m in members)
+        assert set(per_job) == set(won)
+        assert set(per_job.values()) == {3}, "no partial gang"
+        reserved = s.scalars(select(Worker).where(Worker.state == "reserved")).all()
+        assert {w.id for w in reserved} == set(per_worker)
+        assert all(w.job_id in won for w in reserved)
+        placing = s.scalar(select(func.count()).select_from(Job).where(Job.state == "placing"))
+        assert placing == len(won)
+
+
+def test_log_ingest_is_idempotent(store: Store) -> None:
+    job = store.submit_job(gang(2, 2))
+    now = utcnow()
+    batch = [
+        LogLineIn("rank", r, seq, now, "stdout", f"rank {r} line {seq}")
+        for r in range(4)
+        for seq in range(1, 6)
+    ]
+    assert store.append_logs(job.id, batch) == 20
+    assert store.append_logs(job.id, batch[5:15]) == 0, "a resent batch never duplicates"
+    store.append_logs(job.id, [LogLineIn("node", 1, 1, now, "stderr", "torchrun: starting")])
+    rank2 = store.logs(job.id, rank=2)
+    assert [ln.text for ln in rank2] == [f"rank 2 line {i}" for i in range(1, 6)]
+    assert len(store.logs(job.id)) == 20
+    assert [ln.text for ln in store.logs(job.id, origin="node")] == ["torchrun: starting"]
+
+
+def test_returning_worker_becomes_idle(store: Store) -> None:
+    add_workers(store, 1)
+    store.set_worker_state("w00", WorkerState.OFFLINE)
+    store.upsert_worker(worker("w00"))
+    assert store.workers()[0].state is WorkerState.IDLE
+    assert [e.kind for e in store.events()] == ["WorkerJoined", "WorkerReturned"]
+
+
+def test_artifacts_and_conditions(store: Store) -> None:
+    job = store.submit_job(gang(2))
+    store.add_artifact(job.id, 1, "ckpt/model.pt", 1234, "ab" * 32)
+    store.add_artifact(job.id, 0, "ckpt/model.pt", 1234, "ab" * 32)
+    assert [(a.node_rank, a.path) for a in store.artifacts(job.id)] == [
+        (0, "ckpt/model.pt"),
+        (1, "ckpt/model.pt"),
+    ]
+    store.set_condition(job.id, "GangReady", False, "Waiting", "1 of 2 members")
+    store.set_condition(job.id, "GangReady", True, "AllJoined", "2 of 2 members")
+    (cond,) = store.conditions(job.id)
+    assert (cond.status, cond.reason) == ("True", "AllJoined")
