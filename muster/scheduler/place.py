@@ -19,12 +19,13 @@ then by worker id. A gang of one needs no network and always gets the private cl
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter, defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import ClassVar, NamedTuple
 
-from muster.scheduler.pool import KindListener, PoolIndex, WorkerKind
+from muster.scheduler.pool import PoolIndex, WorkerKind
 from muster.spec.job import JobSpec
 from muster.spec.network import NetworkClass, PathClass, Transport
 from muster.spec.worker import WorkerInventory, WorkerView
@@ -116,9 +117,9 @@ def kind_problem(kind: WorkerKind, need: Need) -> str | None:
 
 
 class _Group:
-    """Kinds that can form one gang together on one path; ``idle`` tracks their idle workers."""
+    """Kinds that can form one gang together on one path."""
 
-    __slots__ = ("idle", "kinds", "label", "path", "sort_key")
+    __slots__ = ("kinds", "label", "path", "sort_key")
 
     def __init__(
         self, path: PathClass, label: str, sort_key: tuple[object, ...], kinds: list[WorkerKind]
@@ -127,7 +128,6 @@ class _Group:
         self.label = label
         self.sort_key = sort_key
         self.kinds = kinds
-        self.idle = 0
 
 
 @dataclass
@@ -135,28 +135,27 @@ class _NeedIndex:
     eligible: set[WorkerKind]
     problems: dict[WorkerKind, str]
     groups: list[_Group]
-    groups_of: dict[WorkerKind, list[_Group]] = field(default_factory=lambda: defaultdict(list))
 
 
-class GroupCache(KindListener):
-    """Per-Need candidate groups over a PoolIndex, kept current through take/give_back."""
+class GroupCache:
+    """Per-Need candidate groups over a PoolIndex. Kinds never change after the index is
+    built (take/give_back only move worker ids), so the groups stay valid; idle counts are
+    read from the pool when a decision is made."""
+
+    _caches: ClassVar[weakref.WeakKeyDictionary[PoolIndex, GroupCache]] = (
+        weakref.WeakKeyDictionary()
+    )
 
     def __init__(self, pool: PoolIndex) -> None:
         self.pool = pool
         self.needs: dict[Need, _NeedIndex] = {}
-        pool.listeners.append(self)
 
-    @staticmethod
-    def of(pool: PoolIndex) -> GroupCache:
-        for listener in pool.listeners:
-            if isinstance(listener, GroupCache):
-                return listener
-        return GroupCache(pool)
-
-    def changed(self, kind: WorkerKind, delta: int) -> None:
-        for index in self.needs.values():
-            for group in index.groups_of.get(kind, ()):
-                group.idle += delta
+    @classmethod
+    def of(cls, pool: PoolIndex) -> GroupCache:
+        cache = cls._caches.get(pool)
+        if cache is None:
+            cache = cls._caches[pool] = GroupCache(pool)
+        return cache
 
     def index(self, need: Need) -> _NeedIndex:
         found = self.needs.get(need)
@@ -173,13 +172,9 @@ class GroupCache(KindListener):
                 eligible.add(kind)
             else:
                 problems[kind] = problem
-        groups = _candidate_groups(sorted(eligible, key=lambda k: k.sort_key), need)
-        index = _NeedIndex(eligible, problems, groups)
-        for group in groups:
-            for kind in group.kinds:
-                index.groups_of[kind].append(group)
-                group.idle += self.pool.slots[kind].idle
-        return index
+        # Tightest GPU fit first, then the kinds' fixed order: the order _pick takes them in.
+        ordered = sorted(eligible, key=lambda k: (k.gpu_count - need.gpus, k.sort_key))
+        return _NeedIndex(eligible, problems, _candidate_groups(ordered, need))
 
 
 def _network_key(kind: WorkerKind, network: NetworkClass) -> tuple[str, ...]:
@@ -227,10 +222,18 @@ def _candidate_groups(kinds: list[WorkerKind], need: Need) -> list[_Group]:
     return groups
 
 
-def _available(group: _Group, pool: PoolIndex, exclude: frozenset[WorkerKind]) -> int:
-    if not exclude:
-        return group.idle
-    return sum(pool.slots[k].idle for k in group.kinds if k not in exclude)
+def _available(
+    group: _Group, pool: PoolIndex, exclude: frozenset[WorkerKind], enough: int | None = None
+) -> int:
+    """Idle workers in the group outside ``exclude``; stops counting at ``enough``."""
+    total = 0
+    slots = pool.slots
+    for kind in group.kinds:
+        if kind not in exclude:
+            total += len(slots[kind].ids)
+            if enough is not None and total >= enough:
+                break
+    return total
 
 
 def place_gang(
@@ -247,7 +250,7 @@ def place_gang(
     need = Need.of(spec)
     index = GroupCache.of(pool).index(need)
     for group in index.groups:  # already in preference order
-        if _available(group, pool, exclude) >= need.workers:
+        if _available(group, pool, exclude, need.workers) >= need.workers:
             return Placement(group.path, _pick(group, pool, need, exclude))
     return Unplaceable(*_explain(need, pool, index, exclude))
 
@@ -256,7 +259,7 @@ def _pick(
     group: _Group, pool: PoolIndex, need: Need, exclude: frozenset[WorkerKind]
 ) -> tuple[WorkerInventory, ...]:
     chosen: list[str] = []
-    for kind in sorted(group.kinds, key=lambda k: (k.gpu_count - need.gpus, k.sort_key)):
+    for kind in group.kinds:  # already in pick order (see GroupCache._build)
         if kind in exclude:
             continue
         for wid in pool.slots[kind].ids:

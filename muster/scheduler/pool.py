@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import NamedTuple
 
 from muster.spec.states import WorkerState
@@ -53,7 +54,13 @@ class WorkerKind(NamedTuple):
 
     @property
     def sort_key(self) -> tuple[str, ...]:
-        return tuple(",".join(sorted(v)) if isinstance(v, frozenset) else str(v) for v in self)
+        """A total order over kinds, so every choice between them is deterministic."""
+        return _sort_key(self)
+
+
+@lru_cache(maxsize=65536)
+def _sort_key(kind: WorkerKind) -> tuple[str, ...]:
+    return tuple(",".join(sorted(v)) if isinstance(v, frozenset) else str(v) for v in kind)
 
 
 @dataclass
@@ -77,7 +84,6 @@ class PoolIndex:
         self.inventory: dict[str, WorkerInventory] = {}
         self.kind_of: dict[str, WorkerKind] = {}
         self.not_idle: dict[WorkerState, int] = {}
-        self.listeners: list[KindListener] = []
         views = [w if isinstance(w, WorkerView) else WorkerView(inventory=w) for w in workers]
         for view in sorted(views, key=lambda v: v.id):
             if view.state is WorkerState.IDLE:
@@ -115,8 +121,6 @@ class PoolIndex:
             del slot.ids[wid]
             slot.in_use += 1
             self.not_idle[WorkerState.RESERVED] = self.not_idle.get(WorkerState.RESERVED, 0) + 1
-            for listener in self.listeners:
-                listener.changed(kind, -1)
 
     def give_back(self, worker_ids: Iterable[str]) -> None:
         """Return reserved workers to the idle index (a placement that was not applied)."""
@@ -126,12 +130,3 @@ class PoolIndex:
             slot.ids = dict.fromkeys(sorted([*slot.ids, wid]))
             slot.in_use -= 1
             self.not_idle[WorkerState.RESERVED] -= 1
-            for listener in self.listeners:
-                listener.changed(kind, +1)
-
-
-class KindListener:
-    """Something that keeps counts per kind and must hear of every take and give_back."""
-
-    def changed(self, kind: WorkerKind, delta: int) -> None:
-        raise NotImplementedError

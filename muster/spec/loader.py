@@ -57,11 +57,12 @@ def load_inventory_file(path: str | Path) -> list[WorkerInventory]:
             workers.append(parse_model(WorkerInventory, item, str(path)))
         except SpecError as exc:
             errors += [FieldError(f"workers[{i}].{e.field}", e.message) for e in exc.errors]
-    seen: set[str] = set()
-    for i, w in enumerate(workers):
-        if w.id in seen:
-            errors.append(FieldError(f"workers[{i}].id", f"{w.id!r} appears twice; ids are unique"))
-        seen.add(w.id)
+    seen: set[object] = set()
+    for i, item in enumerate(data):
+        wid = item.get("id") if isinstance(item, Mapping) else None
+        if wid is not None and wid in seen:
+            errors.append(FieldError(f"workers[{i}].id", f"{wid!r} appears twice; ids are unique"))
+        seen.add(wid)
     if errors:
         raise SpecError(errors, str(path))
     return workers
