@@ -14,7 +14,6 @@ from datetime import datetime, timezone
 from typing import Any
 
 from sqlalchemy import func, select, update
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from muster.errors import BadRequest, NotFound, PlacementConflict
@@ -47,7 +46,7 @@ class LogLineIn:
     origin: str  # "rank" (a global rank's stdout/stderr) or "node" (torchrun's own lines)
     rank: int  # the global rank, or the node rank for origin "node"
     seq: int  # per (origin, rank), increasing
-    time: datetime
+    time: float  # seconds since the epoch, as time.time() gives
     stream: str  # stdout | stderr
     text: str
 
@@ -315,29 +314,46 @@ class Store:
     # ---- logs ----------------------------------------------------------------------------
 
     def append_logs(self, job_id: str, lines: Sequence[LogLineIn]) -> int:
-        """Store a batch of lines; lines already stored (same origin, rank, seq) are skipped."""
+        """Store a batch of lines in one transaction; returns how many were new.
+
+        A line already stored (same job, origin, rank, seq) is skipped, so an agent may
+        resend a batch it is unsure of. This is the hot path of log ingest, so it talks to
+        the driver directly: executemany on SQLite, one unnest() statement on PostgreSQL.
+        """
         if not lines:
             return 0
-        rows = [
-            {
-                "job_id": job_id,
-                "origin": ln.origin,
-                "rank": ln.rank,
-                "seq": ln.seq,
-                "time": ln.time,
-                "stream": ln.stream,
-                "text": ln.text,
-            }
-            for ln in lines
-        ]
-        insert = postgresql.insert if self.db.dialect == "postgresql" else sqlite.insert
-        stmt = insert(LogLine).on_conflict_do_nothing(
-            index_elements=["job_id", "origin", "rank", "seq"]
-        )
         with self.db.transaction() as s:
-            if self.db.dialect == "postgresql":  # psycopg's batched rowcount is not summed
-                return len(s.connection().execute(stmt.returning(LogLine.seq), rows).all())
-            return max(s.connection().execute(stmt, rows).rowcount, 0)
+            conn = s.connection()
+            if self.db.dialect == "postgresql":
+                result = conn.exec_driver_sql(
+                    _PG_INSERT_LINES,
+                    (
+                        job_id,
+                        [ln.origin for ln in lines],
+                        [ln.rank for ln in lines],
+                        [ln.seq for ln in lines],
+                        [int(ln.time * 1e6) for ln in lines],
+                        [ln.stream for ln in lines],
+                        [ln.text for ln in lines],
+                    ),
+                )
+            else:
+                result = conn.exec_driver_sql(
+                    _SQLITE_INSERT_LINES,
+                    [
+                        (
+                            job_id,
+                            ln.origin,
+                            ln.rank,
+                            ln.seq,
+                            int(ln.time * 1e6),
+                            ln.stream,
+                            ln.text,
+                        )
+                        for ln in lines
+                    ],
+                )
+            return max(result.rowcount, 0)
 
     def logs(
         self,
@@ -355,7 +371,7 @@ class Store:
                 query = query.where(LogLine.rank == rank)
             if after:
                 query = query.where(LogLine.seq > after)
-            query = query.order_by(LogLine.time, LogLine.rank, LogLine.seq)
+            query = query.order_by(LogLine.time_us, LogLine.rank, LogLine.seq)
             if limit is not None:
                 query = query.limit(limit)
             return list(s.scalars(query))
@@ -383,6 +399,17 @@ class Store:
     def add_probe_result(self, result: ProbeResult) -> None:
         with self.db.transaction() as s:
             s.add(result)
+
+
+_SQLITE_INSERT_LINES = (
+    "INSERT INTO log_lines (job_id, origin, rank, seq, time_us, stream, text) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"
+)
+_PG_INSERT_LINES = (
+    "INSERT INTO log_lines (job_id, origin, rank, seq, time_us, stream, text) "
+    "SELECT %s, * FROM unnest(%s::varchar[], %s::int[], %s::bigint[], %s::bigint[], "
+    "%s::varchar[], %s::text[]) ON CONFLICT DO NOTHING"
+)
 
 
 def _job(s: Session, job_id: str, lock: bool = False) -> Job:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
 
@@ -11,7 +12,7 @@ from sqlalchemy import func, select
 
 from muster.errors import IllegalTransition, NotFound, PlacementConflict, SpecError
 from muster.spec import JobState, WorkerState
-from muster.store import LogLineIn, Store, open_store, utcnow
+from muster.store import LogLineIn, Store, open_store
 from muster.store.models import Job, Member, Worker
 from tests.scheduler.workers import gang, worker
 
@@ -129,7 +130,7 @@ def test_racing_reservations_never_share_a_worker(store: Store) -> None:
 
 def test_log_ingest_is_idempotent(store: Store) -> None:
     job = store.submit_job(gang(2, 2))
-    now = utcnow()
+    now = time.time()
     batch = [
         LogLineIn("rank", r, seq, now, "stdout", f"rank {r} line {seq}")
         for r in range(4)
