@@ -158,9 +158,12 @@ class GroupCache:
         return cache
 
     def index(self, need: Need) -> _NeedIndex:
-        found = self.needs.get(need)
+        # Eligibility and groups depend on the gang size only through "one or more than
+        # one", so gangs of 2..N share one entry.
+        key = need._replace(workers=min(need.workers, 2))
+        found = self.needs.get(key)
         if found is None:
-            found = self.needs[need] = self._build(need)
+            found = self.needs[key] = self._build(key)
         return found
 
     def _build(self, need: Need) -> _NeedIndex:
