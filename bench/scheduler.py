@@ -100,8 +100,10 @@ def make_jobs(n: int, rnd: random.Random) -> list[JobSpec]:
 def run_indexed(views: list[WorkerView], jobs: list[JobSpec]) -> tuple[list[float], int]:
     t0 = time.perf_counter()
     pool = PoolIndex(views)
-    print(f"  (indexing {len(views)} workers into {len(pool.slots)} kinds took "
-          f"{(time.perf_counter() - t0) * 1e3:.0f} ms, once per scheduler pass)")
+    print(
+        f"  (indexing {len(views)} workers into {len(pool.slots)} kinds took "
+        f"{(time.perf_counter() - t0) * 1e3:.0f} ms, once per scheduler pass)"
+    )
     times, placed = [], 0
     for spec in jobs:
         t0 = time.perf_counter()

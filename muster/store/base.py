@@ -1,0 +1,66 @@
+"""What every repository shares: the database handle and two helpers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from muster.errors import NotFound
+from muster.store.engine import Database
+from muster.store.models import (
+    Event,
+    Job,
+)
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+@dataclass(frozen=True)
+class LogLineIn:
+    """One captured line as an agent sends it."""
+
+    origin: str  # "rank" (a global rank's stdout/stderr) or "node" (torchrun's own lines)
+    rank: int  # the global rank, or the node rank for origin "node"
+    seq: int  # per (origin, rank), increasing
+    time: float  # seconds since the epoch, as time.time() gives
+    stream: str  # stdout | stderr
+    text: str
+
+
+class Repository:
+    """Holds the database; each public method of a repository is one transaction."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+
+def load_job(s: Session, job_id: str, lock: bool = False) -> Job:
+    query = select(Job).where(Job.id == job_id)
+    if lock:
+        query = query.with_for_update()
+    job = s.scalars(query).first()
+    if job is None:
+        raise NotFound(f"job {job_id!r} does not exist; see `muster get jobs`")
+    return job
+
+
+def add_event(
+    s: Session,
+    kind: str,
+    message: str,
+    *,
+    job: str | None = None,
+    worker: str | None = None,
+    data: dict[str, Any] | None = None,
+) -> None:
+    s.add(
+        Event(
+            job_id=job, worker_id=worker, time=utcnow(), kind=kind, message=message, data=data or {}
+        )
+    )

@@ -1,0 +1,177 @@
+"""Jobs and gang placement.
+
+The rule that matters most: ``reserve_placement`` takes a gang's workers in one
+transaction and only if every one of them is still idle, so two scheduler passes racing
+never give one worker to two gangs.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from sqlalchemy import func, select, update
+
+from muster.errors import BadRequest, PlacementConflict
+from muster.spec.job import JobSpec
+from muster.spec.loader import parse_job
+from muster.spec.states import JobState, MemberState, WorkerState, check_job_transition
+from muster.store.base import Repository, add_event, load_job, utcnow
+from muster.store.models import (
+    GangEpoch,
+    Job,
+    Member,
+    Worker,
+)
+
+
+class JobRepository(Repository):
+    # ---- jobs ----------------------------------------------------------------------------
+
+    def submit_job(
+        self, spec: JobSpec | dict[str, Any], *, bundle_sha256: str | None = None
+    ) -> Job:
+        """Validate and queue a job. An invalid spec raises SpecError and stores nothing."""
+        checked = parse_job(spec)
+        now = utcnow()
+        with self.db.transaction() as s:
+            job = Job(
+                id=f"{checked.name}-{secrets.token_hex(3)}",
+                name=checked.name,
+                spec=checked.model_dump(mode="json"),
+                state=JobState.QUEUED.value,
+                priority=checked.priority,
+                bundle_sha256=bundle_sha256,
+                submitted_at=now,
+            )
+            s.add(job)
+            s.flush()
+            add_event(s, "Submitted", f"job {job.id} queued", job=job.id)
+            return job
+
+    def job(self, job_id: str) -> Job:
+        with self.db.transaction() as s:
+            return load_job(s, job_id)
+
+    def jobs(self, states: Iterable[JobState] | None = None) -> list[Job]:
+        """Jobs in submission order, optionally only those in ``states``."""
+        with self.db.transaction() as s:
+            query = select(Job).order_by(Job.seq)
+            if states is not None:
+                query = query.where(Job.state.in_([st.value for st in states]))
+            return list(s.scalars(query).all())
+
+    def job_spec(self, job: Job) -> JobSpec:
+        return JobSpec.model_validate(job.spec, strict=False)
+
+    def set_job_state(self, job_id: str, new: JobState, message: str = "") -> Job:
+        """Move a job along its lifecycle; illegal moves raise IllegalTransition."""
+        now = utcnow()
+        with self.db.transaction() as s:
+            job = load_job(s, job_id, lock=True)
+            check_job_transition(JobState(job.state), new)
+            job.state = new.value
+            if new is JobState.RUNNING:
+                job.started_at = now
+            if new.is_terminal:
+                job.finished_at = now
+                s.execute(
+                    update(Worker)
+                    .where(Worker.job_id == job_id)
+                    .values(state=WorkerState.IDLE.value, job_id=None)
+                )
+            if new is JobState.FAILED and message:
+                job.root_cause = message
+            add_event(
+                s, f"Job{new.value.capitalize()}", message or f"job is {new.value}", job=job_id
+            )
+            return job
+
+    def set_why_pending(self, job_id: str, reason: str | None) -> None:
+        with self.db.transaction() as s:
+            job = load_job(s, job_id)
+            if job.why_pending != reason:
+                job.why_pending = reason
+                if reason:
+                    add_event(s, "Unplaceable", reason, job=job_id)
+
+    # ---- placement -----------------------------------------------------------------------
+
+    def reserve_placement(
+        self, job_id: str, worker_ids: Sequence[str], path_class: str
+    ) -> GangEpoch:
+        """Take the gang's workers and open a new epoch, all in one transaction.
+
+        ``worker_ids[r]`` becomes node rank r. Raises PlacementConflict, changing nothing,
+        when the job is no longer queued or any worker is no longer idle.
+        """
+        if len(set(worker_ids)) != len(worker_ids):
+            raise BadRequest(f"a gang needs distinct workers, got {list(worker_ids)}")
+        now = utcnow()
+        with self.db.transaction() as s:
+            job = load_job(s, job_id, lock=True)
+            if job.state != JobState.QUEUED.value:
+                raise PlacementConflict(f"job {job_id} is {job.state}, not queued")
+            # Lock the rows in one global order first, so racing reservations queue on
+            # PostgreSQL instead of deadlocking (SQLite already serializes writers).
+            s.execute(
+                select(Worker.id)
+                .where(Worker.id.in_(worker_ids))
+                .order_by(Worker.id)
+                .with_for_update()
+            ).all()
+            taken = s.execute(
+                update(Worker)
+                .where(Worker.id.in_(worker_ids), Worker.state == WorkerState.IDLE.value)
+                .values(state=WorkerState.RESERVED.value, job_id=job_id)
+                .execution_options(synchronize_session=False)
+            )
+            if taken.rowcount != len(worker_ids):  # type: ignore[attr-defined]
+                raise PlacementConflict(
+                    f"job {job_id}: only {taken.rowcount} of {len(worker_ids)} "  # type: ignore[attr-defined]
+                    "workers were still idle; the scheduler will try again"
+                )
+            last = s.scalar(select(func.max(GangEpoch.number)).where(GangEpoch.job_id == job_id))
+            epoch = GangEpoch(
+                job_id=job_id, number=(last or 0) + 1, path_class=path_class, created_at=now
+            )
+            s.add(epoch)
+            s.flush()
+            workers = {w.id: w for w in s.scalars(select(Worker).where(Worker.id.in_(worker_ids)))}
+            for rank, wid in enumerate(worker_ids):
+                s.add(
+                    Member(
+                        epoch_id=epoch.id,
+                        job_id=job_id,
+                        node_rank=rank,
+                        worker_id=wid,
+                        state=MemberState.PENDING.value,
+                        advertise_address=workers[wid].advertise_address,
+                    )
+                )
+            job.state, job.path_class, job.why_pending = JobState.PLACING.value, path_class, None
+            add_event(
+                s,
+                "Placed",
+                f"epoch {epoch.number}: {len(worker_ids)} workers on the {path_class} path: "
+                + ", ".join(f"node{r}={w}" for r, w in enumerate(worker_ids)),
+                job=job_id,
+                data={"epoch": epoch.number, "workers": list(worker_ids), "path": path_class},
+            )
+            return epoch
+
+    def members(self, job_id: str, epoch_number: int | None = None) -> list[Member]:
+        """The members of the job's latest (or given) epoch, by node rank."""
+        with self.db.transaction() as s:
+            query = select(GangEpoch).where(GangEpoch.job_id == job_id)
+            if epoch_number is not None:
+                query = query.where(GangEpoch.number == epoch_number)
+            epoch = s.scalars(query.order_by(GangEpoch.number.desc()).limit(1)).first()
+            if epoch is None:
+                return []
+            return list(
+                s.scalars(
+                    select(Member).where(Member.epoch_id == epoch.id).order_by(Member.node_rank)
+                )
+            )

@@ -1,0 +1,170 @@
+"""What a running job leaves behind: events, conditions, log lines, artifacts, probe results."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import select
+
+from muster.store.base import LogLineIn, Repository, add_event, utcnow
+from muster.store.models import (
+    Artifact,
+    Condition,
+    Event,
+    LogLine,
+    ProbeResult,
+)
+
+
+class RecordRepository(Repository):
+    # ---- events, conditions --------------------------------------------------------------
+
+    def record_event(
+        self,
+        kind: str,
+        message: str,
+        *,
+        job: str | None = None,
+        worker: str | None = None,
+        data: dict[str, Any] | None = None,
+    ) -> None:
+        with self.db.transaction() as s:
+            add_event(s, kind, message, job=job, worker=worker, data=data)
+
+    def events(self, job_id: str | None = None) -> list[Event]:
+        with self.db.transaction() as s:
+            query = select(Event).order_by(Event.id)
+            if job_id is not None:
+                query = query.where(Event.job_id == job_id)
+            return list(s.scalars(query))
+
+    def set_condition(
+        self, job_id: str, type_: str, status: bool | None, reason: str, message: str
+    ) -> None:
+        text = "Unknown" if status is None else str(status)
+        with self.db.transaction() as s:
+            row = s.get(Condition, (job_id, type_))
+            if row is None:
+                s.add(
+                    Condition(
+                        job_id=job_id,
+                        type=type_,
+                        status=text,
+                        reason=reason,
+                        message=message,
+                        last_transition=utcnow(),
+                    )
+                )
+            else:
+                if row.status != text:
+                    row.last_transition = utcnow()
+                row.status, row.reason, row.message = text, reason, message
+
+    def conditions(self, job_id: str) -> list[Condition]:
+        with self.db.transaction() as s:
+            return list(
+                s.scalars(
+                    select(Condition).where(Condition.job_id == job_id).order_by(Condition.type)
+                )
+            )
+
+    # ---- logs ----------------------------------------------------------------------------
+
+    def append_logs(self, job_id: str, lines: Sequence[LogLineIn]) -> int:
+        """Store a batch of lines in one transaction; returns how many were new.
+
+        A line already stored (same job, origin, rank, seq) is skipped, so an agent may
+        resend a batch it is unsure of. This is the hot path of log ingest, so it talks to
+        the driver directly: executemany on SQLite, one unnest() statement on PostgreSQL.
+        """
+        if not lines:
+            return 0
+        with self.db.transaction() as s:
+            conn = s.connection()
+            if self.db.dialect == "postgresql":
+                result = conn.exec_driver_sql(
+                    _PG_INSERT_LINES,
+                    (
+                        job_id,
+                        [ln.origin for ln in lines],
+                        [ln.rank for ln in lines],
+                        [ln.seq for ln in lines],
+                        [int(ln.time * 1e6) for ln in lines],
+                        [ln.stream for ln in lines],
+                        [ln.text for ln in lines],
+                    ),
+                )
+            else:
+                result = conn.exec_driver_sql(
+                    _SQLITE_INSERT_LINES,
+                    [
+                        (
+                            job_id,
+                            ln.origin,
+                            ln.rank,
+                            ln.seq,
+                            int(ln.time * 1e6),
+                            ln.stream,
+                            ln.text,
+                        )
+                        for ln in lines
+                    ],
+                )
+            return max(result.rowcount, 0)
+
+    def logs(
+        self,
+        job_id: str,
+        *,
+        rank: int | None = None,
+        origin: str = "rank",
+        after: int = 0,
+        limit: int | None = None,
+    ) -> list[LogLine]:
+        """Lines of one job in (rank, seq) order; ``after`` skips seq <= after."""
+        with self.db.transaction() as s:
+            query = select(LogLine).where(LogLine.job_id == job_id, LogLine.origin == origin)
+            if rank is not None:
+                query = query.where(LogLine.rank == rank)
+            if after:
+                query = query.where(LogLine.seq > after)
+            query = query.order_by(LogLine.time_us, LogLine.rank, LogLine.seq)
+            if limit is not None:
+                query = query.limit(limit)
+            return list(s.scalars(query))
+
+    # ---- artifacts, probe ----------------------------------------------------------------
+
+    def add_artifact(self, job_id: str, node_rank: int, path: str, size: int, sha256: str) -> None:
+        with self.db.transaction() as s:
+            s.merge(
+                Artifact(
+                    job_id=job_id,
+                    node_rank=node_rank,
+                    path=path,
+                    size=size,
+                    sha256=sha256,
+                    stored_at=utcnow(),
+                )
+            )
+
+    def artifacts(self, job_id: str) -> list[Artifact]:
+        with self.db.transaction() as s:
+            query = select(Artifact).where(Artifact.job_id == job_id)
+            return list(s.scalars(query.order_by(Artifact.node_rank, Artifact.path)))
+
+    def add_probe_result(self, result: ProbeResult) -> None:
+        with self.db.transaction() as s:
+            s.add(result)
+
+
+_SQLITE_INSERT_LINES = (
+    "INSERT INTO log_lines (job_id, origin, rank, seq, time_us, stream, text) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"
+)
+_PG_INSERT_LINES = (
+    "INSERT INTO log_lines (job_id, origin, rank, seq, time_us, stream, text) "
+    "SELECT %s, * FROM unnest(%s::varchar[], %s::int[], %s::bigint[], %s::bigint[], "
+    "%s::varchar[], %s::text[]) ON CONFLICT DO NOTHING"
+)
