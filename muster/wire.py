@@ -1,1 +1,178 @@
-"""Control-link frames between controller and agents: kinds, byte layout, MAC."""
+"""Control-link frames between the controller and its agents: kinds, byte layout, MAC.
+
+One control link is one WebSocket; each binary message is one frame:
+
+     0     1      2              10            14                 14+n          14+n+32
+    +-----+------+--------------+-------------+------------------+-------------+
+    | ver | kind | seq (u64 BE) | n (u32 BE)  | payload: n bytes | MAC 32 B    |
+    +-----+------+--------------+-------------+------------------+-------------+
+
+- ``ver`` is ``VERSION``; a frame of another version is malformed.
+- ``payload`` is UTF-8 JSON (an object).
+- ``MAC`` = HMAC-SHA256(session key, direction || ver .. payload), direction being b"A" for
+  agent -> controller and b"C" for controller -> agent, so a frame cannot be reflected
+  back to its sender. The handshake frames CHALLENGE and AUTH carry 32 zero bytes.
+- ``seq`` starts at 1 in each direction after the handshake and must strictly increase:
+  a frame whose seq is not above the last accepted one is a replay.
+
+A frame that fails any check is refused (and counted by the receiver); the link stays up
+for the honest frames that follow.
+
+Handshake (the token never crosses the wire):
+    controller -> CHALLENGE {nonce: 32 random bytes, hex}
+    agent      -> AUTH {worker_id, nonce, proof}
+                  proof = HMAC(token, "muster-auth\\0" || cnonce || anonce || worker_id)
+    controller -> WELCOME {proof, ticket, heartbeat_interval}  (first MAC'd frame, seq 1)
+                  proof = HMAC(token, "muster-server\\0" || cnonce || anonce): the agent
+                  checks that the controller holds the token too.
+    session key = HMAC(token, "muster-session\\0" || cnonce || anonce)
+The ``ticket`` is a random bearer secret for this session's HTTP calls (bundle download,
+artifact upload); it dies with the link.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import secrets
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+from muster.errors import MusterError
+
+VERSION = 1
+HEADER = struct.Struct(">BBQI")  # ver, kind, seq, payload length
+MAC_SIZE = 32
+MAX_PAYLOAD = 16 * 1024 * 1024
+ZERO_MAC = b"\0" * MAC_SIZE
+TO_CONTROLLER = b"A"
+TO_AGENT = b"C"
+
+
+class Kind(IntEnum):
+    """Frame kinds; the comment says who sends it, when, and the payload's fields."""
+
+    CHALLENGE = 1  # C->A, first frame on a new link: {nonce}
+    AUTH = 2  # A->C, answer to CHALLENGE: {worker_id, nonce, proof}
+    WELCOME = 3  # C->A, token proven: {proof, ticket, heartbeat_interval}
+    INVENTORY = 10  # A->C, after WELCOME and on change: {inventory, running: [job ids]}
+    HEARTBEAT = 11  # A->C, every few seconds: {time}
+    HEARTBEAT_ACK = 12  # C->A, reply: {stop: [job ids that must stop now]}
+    PREPARE_RENDEZVOUS = 20  # C->A node 0 only: {job, epoch, port | null}
+    RENDEZVOUS_READY = 21  # A->C node 0: {job, epoch, addr, port}
+    ASSIGN = 22  # C->A, after node 0 published: {job, epoch, node_rank, argv, env, ...}
+    MEMBER_STARTED = 23  # A->C: {job, epoch, node_rank, pid}
+    MEMBER_EXITED = 24  # A->C: {job, epoch, node_rank, exit_code, signal, failed_rank, tail}
+    ARTIFACTS_DONE = 25  # A->C, outputs uploaded: {job, epoch, node_rank, files}
+    STOP = 26  # C->A, kill the member's process tree: {job, reason}
+    LOGS = 30  # A->C: {job, batch, lines: [[origin, rank, seq, time, stream, text], ...]}
+    LOGS_ACK = 31  # C->A, batch stored: {job, batch}
+    ERROR = 40  # C->A, the controller refuses something: {message}
+
+
+class FrameRefused(MusterError):
+    """A frame failed a check; ``reason`` is malformed, forged or replayed."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason} frame: {detail}")
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Frame:
+    kind: Kind
+    seq: int
+    body: dict[str, Any]
+
+
+def new_nonce() -> str:
+    return secrets.token_hex(32)
+
+
+def _hmac(key: bytes, *parts: bytes) -> bytes:
+    return hmac.new(key, b"".join(parts), hashlib.sha256).digest()
+
+
+def auth_proof(token: str, cnonce: str, anonce: str, worker_id: str) -> str:
+    return _hmac(
+        token.encode(), b"muster-auth\0", cnonce.encode(), anonce.encode(), worker_id.encode()
+    ).hex()
+
+
+def server_proof(token: str, cnonce: str, anonce: str) -> str:
+    return _hmac(token.encode(), b"muster-server\0", cnonce.encode(), anonce.encode()).hex()
+
+
+def session_key(token: str, cnonce: str, anonce: str) -> bytes:
+    return _hmac(token.encode(), b"muster-session\0", cnonce.encode(), anonce.encode())
+
+
+def proofs_match(a: str, b: str) -> bool:
+    return hmac.compare_digest(a.encode(), b.encode())
+
+
+def encode_plain(kind: Kind, body: dict[str, Any]) -> bytes:
+    """A handshake frame (CHALLENGE, AUTH): seq 0, no MAC."""
+    payload = json.dumps(body, separators=(",", ":")).encode()
+    return HEADER.pack(VERSION, kind, 0, len(payload)) + payload + ZERO_MAC
+
+
+def decode_plain(data: bytes, expect: Kind) -> dict[str, Any]:
+    """Parse a handshake frame of kind ``expect``."""
+    kind, _seq, body = _parse(data)
+    if kind != expect:
+        raise FrameRefused("malformed", f"expected {expect.name}, got {kind.name}")
+    return body
+
+
+def _parse(data: bytes) -> tuple[Kind, int, dict[str, Any]]:
+    if len(data) < HEADER.size + MAC_SIZE:
+        raise FrameRefused("malformed", f"{len(data)} bytes is shorter than a frame")
+    ver, kind, seq, size = HEADER.unpack_from(data)
+    if ver != VERSION:
+        raise FrameRefused("malformed", f"version {ver}, expected {VERSION}")
+    if size > MAX_PAYLOAD or len(data) != HEADER.size + size + MAC_SIZE:
+        raise FrameRefused("malformed", f"length field {size} does not match the frame")
+    try:
+        frame_kind = Kind(kind)
+    except ValueError:
+        raise FrameRefused("malformed", f"unknown kind {kind}") from None
+    try:
+        body = json.loads(data[HEADER.size : HEADER.size + size])
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FrameRefused("malformed", f"payload is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise FrameRefused("malformed", "payload is not a JSON object")
+    return frame_kind, seq, body
+
+
+class LinkCodec:
+    """Encodes and checks the MAC'd frames of one link, for one side of it."""
+
+    def __init__(self, key: bytes, *, send: bytes, receive: bytes) -> None:
+        self._key = key
+        self._send_dir = send
+        self._recv_dir = receive
+        self._next_seq = 1
+        self.last_seq = 0
+
+    def encode(self, kind: Kind, body: dict[str, Any]) -> bytes:
+        payload = json.dumps(body, separators=(",", ":")).encode()
+        head = HEADER.pack(VERSION, kind, self._next_seq, len(payload))
+        self._next_seq += 1
+        return head + payload + _hmac(self._key, self._send_dir, head, payload)
+
+    def decode(self, data: bytes) -> Frame:
+        """Check and parse one received frame; raises FrameRefused."""
+        kind, seq, body = _parse(data)
+        end = len(data) - MAC_SIZE
+        expected = _hmac(self._key, self._recv_dir, data[:end])
+        if not hmac.compare_digest(expected, data[end:]):
+            raise FrameRefused("forged", f"{kind.name} seq {seq} has a bad MAC")
+        if seq <= self.last_seq:
+            raise FrameRefused("replayed", f"{kind.name} seq {seq} <= last seq {self.last_seq}")
+        self.last_seq = seq
+        return Frame(kind, seq, body)

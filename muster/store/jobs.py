@@ -12,11 +12,18 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session
 
 from muster.errors import BadRequest, PlacementConflict
 from muster.spec.job import JobSpec
 from muster.spec.loader import parse_job
-from muster.spec.states import JobState, MemberState, WorkerState, check_job_transition
+from muster.spec.states import (
+    JobState,
+    MemberState,
+    WorkerState,
+    check_job_transition,
+    check_member_transition,
+)
 from muster.store.base import Repository, add_event, load_job, utcnow
 from muster.store.models import (
     GangEpoch,
@@ -76,11 +83,17 @@ class JobRepository(Repository):
                 job.started_at = now
             if new.is_terminal:
                 job.finished_at = now
-                s.execute(
-                    update(Worker)
-                    .where(Worker.job_id == job_id)
-                    .values(state=WorkerState.IDLE.value, job_id=None)
-                )
+                # Members that never started have nothing to stop: their workers go back
+                # now. A started member frees its worker when it reports its exit.
+                unstarted = s.scalars(
+                    select(Member).where(
+                        Member.job_id == job_id,
+                        Member.state.in_([MemberState.PENDING.value, MemberState.ASSIGNED.value]),
+                    )
+                ).all()
+                for member in unstarted:
+                    member.state, member.finished_at = MemberState.CANCELLED.value, now
+                    _release(s, member.worker_id, job_id)
             if new is JobState.FAILED and message:
                 job.root_cause = message
             add_event(
@@ -175,3 +188,71 @@ class JobRepository(Repository):
                     select(Member).where(Member.epoch_id == epoch.id).order_by(Member.node_rank)
                 )
             )
+
+    def set_epoch_rendezvous(self, job_id: str, epoch_number: int, addr: str, port: int) -> None:
+        """Record node 0's published rendezvous address on the epoch."""
+        with self.db.transaction() as s:
+            epoch = s.scalars(
+                select(GangEpoch).where(
+                    GangEpoch.job_id == job_id, GangEpoch.number == epoch_number
+                )
+            ).one()
+            epoch.master_addr, epoch.master_port = addr, port
+
+    def set_member_state(
+        self,
+        job_id: str,
+        node_rank: int,
+        state: MemberState,
+        *,
+        exit_code: int | None = None,
+        signal: str | None = None,
+        path_address: str | None = None,
+    ) -> Member:
+        """Move the latest epoch's member ``node_rank``; a terminal member frees its worker."""
+        now = utcnow()
+        with self.db.transaction() as s:
+            member = s.scalars(
+                select(Member)
+                .join(GangEpoch, Member.epoch_id == GangEpoch.id)
+                .where(Member.job_id == job_id, Member.node_rank == node_rank)
+                .order_by(GangEpoch.number.desc())
+                .limit(1)
+            ).one()
+            current = MemberState(member.state)
+            if current.is_terminal:
+                return member
+            check_member_transition(current, state)
+            member.state = state.value
+            if exit_code is not None:
+                member.exit_code = exit_code
+            if signal is not None:
+                member.signal = signal
+            if path_address is not None:
+                member.path_address = path_address
+            if state is MemberState.ASSIGNED:
+                member.assigned_at = now
+            elif state is MemberState.RUNNING:
+                member.started_at = now
+                s.execute(
+                    update(Worker)
+                    .where(Worker.id == member.worker_id, Worker.job_id == job_id)
+                    .values(state=WorkerState.BUSY.value)
+                )
+            if state.is_terminal:
+                member.finished_at = now
+                _release(s, member.worker_id, job_id)
+            return member
+
+
+def _release(s: Session, worker_id: str, job_id: str) -> None:
+    """Give a worker held for ``job_id`` back to the pool (unless it went offline)."""
+    s.execute(
+        update(Worker)
+        .where(
+            Worker.id == worker_id,
+            Worker.job_id == job_id,
+            Worker.state.in_([WorkerState.RESERVED.value, WorkerState.BUSY.value]),
+        )
+        .values(state=WorkerState.IDLE.value, job_id=None)
+    )

@@ -189,3 +189,12 @@ class ProbeResult(Base):
     path: Mapped[str] = mapped_column(String(64))
     error: Mapped[str | None] = mapped_column(Text)
     measured_at: Mapped[datetime]
+
+
+class Setting(Base):
+    """Controller-wide values that must survive a restart (the join token, ...)."""
+
+    __tablename__ = "settings"
+
+    key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[str] = mapped_column(Text)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from sqlalchemy import select
@@ -14,6 +14,7 @@ from muster.store.models import (
     Event,
     LogLine,
     ProbeResult,
+    Setting,
 )
 
 
@@ -153,6 +154,15 @@ class RecordRepository(Repository):
         with self.db.transaction() as s:
             query = select(Artifact).where(Artifact.job_id == job_id)
             return list(s.scalars(query.order_by(Artifact.node_rank, Artifact.path)))
+
+    def setting(self, key: str, default: Callable[[], str]) -> str:
+        """The stored value of ``key``, storing ``default()`` first when there is none."""
+        with self.db.transaction() as s:
+            row = s.get(Setting, key)
+            if row is None:
+                row = Setting(key=key, value=default())
+                s.add(row)
+            return row.value
 
     def add_probe_result(self, result: ProbeResult) -> None:
         with self.db.transaction() as s:

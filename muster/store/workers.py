@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import select
+from sqlalchemy import select, update
 
 from muster.errors import NotFound
 from muster.spec.states import WorkerState
@@ -45,6 +45,11 @@ class WorkerRepository(Repository):
                     row.state = WorkerState.IDLE.value
                     add_event(s, "WorkerReturned", f"worker {inv.id} is back", worker=inv.id)
             return row
+
+    def mark_all_offline(self) -> None:
+        """At controller start no agent is connected yet; each becomes idle when it dials in."""
+        with self.db.transaction() as s:
+            s.execute(update(Worker).values(state=WorkerState.OFFLINE.value, job_id=None))
 
     def set_worker_state(self, worker_id: str, state: WorkerState) -> None:
         with self.db.transaction() as s:

@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy import func, select
 
 from muster.errors import IllegalTransition, NotFound, PlacementConflict, SpecError
-from muster.spec import JobState, WorkerState
+from muster.spec import JobState, MemberState, WorkerState
 from muster.store import LogLineIn, Store, open_store
 from muster.store.models import Job, Member, Worker
 from tests.scheduler.workers import gang, worker
@@ -74,17 +74,34 @@ def test_reserve_placement_is_all_or_nothing(store: Store) -> None:
     assert store.members(second.id) == []
 
 
-def test_terminal_state_frees_the_workers(store: Store) -> None:
-    ids = add_workers(store, 2)
-    job = store.submit_job(gang(2))
+def test_workers_come_back_when_their_members_end(store: Store) -> None:
+    ids = add_workers(store, 3)
+    job = store.submit_job(gang(3))
     store.reserve_placement(job.id, ids, "direct")
     with pytest.raises(IllegalTransition):
         store.set_job_state(job.id, JobState.SUCCEEDED)
     store.set_job_state(job.id, JobState.RENDEZVOUS)
-    store.set_job_state(job.id, JobState.RUNNING)
-    store.set_job_state(job.id, JobState.FAILED, "node1 rank 3 exited with code 1")
-    assert store.job(job.id).root_cause == "node1 rank 3 exited with code 1"
+    store.set_member_state(job.id, 0, MemberState.ASSIGNED)
+    store.set_member_state(job.id, 0, MemberState.STARTING)
+    store.set_member_state(job.id, 0, MemberState.RUNNING)
+    store.set_member_state(job.id, 1, MemberState.ASSIGNED)
+    states = {w.id: w.state for w in store.workers()}
+    assert states["w00"] is WorkerState.BUSY
+    assert states["w01"] is WorkerState.RESERVED
+    store.set_job_state(job.id, JobState.FAILED, "node0 rank 1 exited with code 1")
+    assert store.job(job.id).root_cause == "node0 rank 1 exited with code 1"
+    states = {w.id: w.state for w in store.workers()}
+    # Unstarted members are cancelled at once; the running one keeps its worker until it ends.
+    assert states == {"w00": WorkerState.BUSY, "w01": WorkerState.IDLE, "w02": WorkerState.IDLE}
+    assert [m.state for m in store.members(job.id)] == ["running", "cancelled", "cancelled"]
+    store.set_member_state(job.id, 0, MemberState.FAILED, exit_code=-15, signal="SIGTERM")
     assert {w.state for w in store.workers()} == {WorkerState.IDLE}
+    assert store.members(job.id)[0].signal == "SIGTERM"
+
+
+def test_settings_are_created_once(store: Store) -> None:
+    first = store.setting("token", lambda: "abc")
+    assert store.setting("token", lambda: "other") == first == "abc"
 
 
 def test_racing_reservations_never_share_a_worker(store: Store) -> None:
