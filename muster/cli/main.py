@@ -47,7 +47,16 @@ def reports_errors(fn: Callable[P, R]) -> Callable[P, R]:
 
 
 def main() -> None:
-    from muster.cli import plan, validate  # noqa: F401  (registers the verbs)
+    from muster.cli import (  # noqa: F401  (each module registers its verbs)
+        agent,
+        artifacts,
+        jobs,
+        logs,
+        plan,
+        server,
+        token,
+        validate,
+    )
 
     try:
         app()

@@ -58,8 +58,15 @@ def torchrun_argv(
     master_addr: str,
     master_port: int | str,
     python: str = "python",
+    capture_dir: str | None = None,
 ) -> list[str]:
-    """The command node ``node_rank`` runs; every node runs the same but for --node-rank."""
+    """The command node ``node_rank`` runs; every node runs the same but for --node-rank.
+
+    With ``capture_dir``, torchrun writes each local rank's stdout and stderr to its own
+    files under it (``--log-dir DIR --redirects 3``), so no two ranks' lines ever mix; the
+    agent tails those files.
+    """
+    capture = ["--log-dir", capture_dir, "--redirects", "3"] if capture_dir else []
     gang = spec.gang
     if not 0 <= node_rank < gang.num_workers:
         raise BadRequest(f"node rank {node_rank} is outside 0..{gang.num_workers - 1}")
@@ -78,6 +85,7 @@ def torchrun_argv(
         "--master-port",
         str(master_port),
         "--max-restarts=0",
+        *capture,
         *entrypoint_argv(spec),
     ]
 

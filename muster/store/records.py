@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import and_, not_, or_, select, tuple_
 
 from muster.store.base import LogLineIn, Repository, add_event, utcnow
 from muster.store.models import (
@@ -134,6 +134,34 @@ class RecordRepository(Repository):
             if limit is not None:
                 query = query.limit(limit)
             return list(s.scalars(query))
+
+    def logs_after(
+        self,
+        job_id: str,
+        cursor: dict[str, int],
+        *,
+        ranks: list[int] | None = None,
+        limit: int = 10_000,
+    ) -> list[LogLine]:
+        """Lines not yet seen: ``cursor`` maps origin+rank ("rank3", "node0") to the last seq.
+
+        With ``ranks``, only those global ranks' own lines (no launcher lines).
+        """
+        with self.db.transaction() as s:
+            query = select(LogLine).where(LogLine.job_id == job_id)
+            if ranks is not None:
+                query = query.where(LogLine.origin == "rank", LogLine.rank.in_(ranks))
+            if cursor:
+                seen = [(k[:4], int(k[4:])) for k in cursor]
+                newer = [
+                    and_(LogLine.origin == o, LogLine.rank == r, LogLine.seq > cursor[f"{o}{r}"])
+                    for o, r in seen
+                ]
+                query = query.where(
+                    or_(*newer, not_(tuple_(LogLine.origin, LogLine.rank).in_(seen)))
+                )
+            query = query.order_by(LogLine.time_us, LogLine.origin, LogLine.rank, LogLine.seq)
+            return list(s.scalars(query.limit(limit)))
 
     # ---- artifacts, probe ----------------------------------------------------------------
 

@@ -72,6 +72,10 @@ class WorkerRepository(Repository):
                 for r in rows
             ]
 
+    def worker_rows(self) -> list[Worker]:
+        with self.db.transaction() as s:
+            return list(s.scalars(select(Worker).order_by(Worker.id)))
+
     def worker(self, worker_id: str) -> Worker:
         with self.db.transaction() as s:
             row = s.get(Worker, worker_id)

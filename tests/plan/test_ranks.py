@@ -93,8 +93,9 @@ def test_real_torchrun_accepts_the_command(entrypoint: str) -> None:
             "distributed": {"num_workers": 3, "procs_per_worker": 2},
         }
     )
-    argv = torchrun_argv(s, 2, "10.1.2.3", 29555)
+    argv = torchrun_argv(s, 2, "10.1.2.3", 29555, capture_dir="/tmp/logs")
     args = run.parse_args(argv[3:])
+    assert (args.log_dir, args.redirects) == ("/tmp/logs", "3")
     assert (args.nnodes, args.nproc_per_node, args.node_rank) == ("3", "2", 2)
     assert (args.master_addr, args.master_port, args.max_restarts) == ("10.1.2.3", 29555, 0)
     assert args.module == (entrypoint != "train.py")

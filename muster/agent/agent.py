@@ -1,0 +1,294 @@
+"""The agent: dials the controller, proves it holds the token, keeps the link for life.
+
+The link's EOF is this host's exit as the controller sees it; heartbeats every few seconds
+catch a link that hangs without closing. With ``persist`` the agent dials again after a
+lost link, backing off 5 s doubling to 60 s, forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse, urlunparse
+
+import httpx
+import websockets
+from websockets.asyncio.client import ClientConnection, connect
+
+from muster import wire
+from muster.agent.capture import Line
+from muster.agent.launcher import MemberRun
+from muster.spec import WorkerInventory
+from muster.wire import Frame, FrameRefused, Kind
+
+log = logging.getLogger("muster.agent")
+
+BATCH_LINES = 4000
+FLUSH_S = 0.05
+MAX_UNACKED = 32  # batches in flight before capture waits: nothing is dropped
+
+
+class AuthRefused(Exception):
+    """The controller refused this agent's token or name; re-dialing will not help."""
+
+
+@dataclass
+class AgentConfig:
+    controller: str  # http://host:port
+    token: str
+    worker_id: str
+    work_dir: Path
+    python: str
+    inventory: Callable[[], WorkerInventory]
+    persist: bool = False
+    grace: float = 10.0
+    backoff: tuple[float, float] = (5.0, 60.0)
+
+
+@dataclass
+class _Shipper:
+    """Batches captured lines per job; keeps each batch until the controller acks it."""
+
+    pending: dict[str, list[Line]] = field(default_factory=dict)
+    unacked: dict[int, tuple[str, list[Line]]] = field(default_factory=dict)
+    next_batch: int = 1
+
+    def add(self, job: str, line: Line) -> None:
+        self.pending.setdefault(job, []).append(line)
+
+    def take(self) -> list[tuple[int, str, list[Line]]]:
+        out = []
+        for job, lines in self.pending.items():
+            for start in range(0, len(lines), BATCH_LINES):
+                chunk = lines[start : start + BATCH_LINES]
+                self.unacked[self.next_batch] = (job, chunk)
+                out.append((self.next_batch, job, chunk))
+                self.next_batch += 1
+        self.pending = {}
+        return out
+
+
+class Agent:
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self.members: dict[str, MemberRun] = {}
+        self.shipper = _Shipper()
+        self.codec: wire.LinkCodec | None = None
+        self.ws: ClientConnection | None = None
+        self.ticket = ""
+        self.heartbeat_interval = 3.0
+        self._send_lock = asyncio.Lock()
+        self._acked = asyncio.Event()
+
+    # ---- dialing -------------------------------------------------------------------------
+
+    async def run(self) -> int:
+        """Serve until the link ends (or forever with persist); returns an exit code."""
+        delay = self.config.backoff[0]
+        while True:
+            try:
+                await self._session()
+                delay = self.config.backoff[0]
+                reason = "the controller closed the link"
+            except AuthRefused as exc:
+                log.error("%s", exc)
+                return 2
+            except (
+                OSError,
+                websockets.exceptions.WebSocketException,
+                FrameRefused,
+                TimeoutError,
+            ) as exc:
+                reason = f"{type(exc).__name__}: {exc}"
+            if not self.config.persist:
+                log.error("control link ended: %s", reason)
+                await self._stop_all("the control link ended")
+                return 1
+            log.warning("control link ended (%s); dialing again in %.0fs", reason, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.config.backoff[1])
+
+    def _ws_url(self) -> str:
+        url = urlparse(self.config.controller)
+        scheme = {"https": "wss", "http": "ws"}.get(url.scheme, url.scheme)
+        return urlunparse((scheme, url.netloc, "/v1/agents/link", "", "", ""))
+
+    async def _session(self) -> None:
+        async with connect(
+            self._ws_url(), max_size=64 * 1024 * 1024, ping_interval=None, open_timeout=10
+        ) as ws:
+            first = await asyncio.wait_for(ws.recv(), 10)
+            challenge = wire.decode_plain(_bytes(first), Kind.CHALLENGE)
+            cnonce, anonce = wire.new_nonce(), str(challenge["nonce"])
+            await ws.send(
+                wire.encode_plain(
+                    Kind.AUTH,
+                    {
+                        "worker_id": self.config.worker_id,
+                        "nonce": cnonce,
+                        "proof": wire.auth_proof(
+                            self.config.token, cnonce, anonce, self.config.worker_id
+                        ),
+                    },
+                )
+            )
+            codec = wire.LinkCodec(
+                wire.session_key(self.config.token, cnonce, anonce),
+                send=wire.TO_CONTROLLER,
+                receive=wire.TO_AGENT,
+            )
+            try:
+                welcome = codec.decode(_bytes(await asyncio.wait_for(ws.recv(), 10)))
+            except websockets.exceptions.ConnectionClosed as exc:
+                raise AuthRefused(
+                    "the controller refused this agent: check --token (from `muster token`)"
+                ) from exc
+            except FrameRefused as exc:
+                raise AuthRefused(f"the controller's answer failed its check: {exc}") from exc
+            if welcome.kind is not Kind.WELCOME or not wire.proofs_match(
+                str(welcome.body.get("proof", "")),
+                wire.server_proof(self.config.token, cnonce, anonce),
+            ):
+                raise AuthRefused("the controller could not prove it holds the token")
+            self.codec, self.ws = codec, ws
+            self.ticket = str(welcome.body["ticket"])
+            self.heartbeat_interval = float(welcome.body.get("heartbeat_interval", 3.0))
+            inventory = await asyncio.to_thread(self.config.inventory)
+            await self.send(
+                Kind.INVENTORY,
+                {"inventory": inventory.model_dump(mode="json"), "running": sorted(self.members)},
+            )
+            log.info("connected to %s as %s", self.config.controller, self.config.worker_id)
+            for batch, (job, lines) in sorted(self.shipper.unacked.items()):
+                await self.send(
+                    Kind.LOGS, {"job": job, "batch": batch, "lines": [list(x) for x in lines]}
+                )
+            tasks = [
+                asyncio.create_task(self._heartbeats()),
+                asyncio.create_task(self._flush_logs()),
+            ]
+            try:
+                async for message in ws:
+                    await self._on_frame(codec.decode(_bytes(message)))
+            finally:
+                for task in tasks:
+                    task.cancel()
+                self.codec = self.ws = None
+
+    async def send(self, kind: Kind, body: dict[str, Any]) -> None:
+        async with self._send_lock:
+            if self.ws is None or self.codec is None:
+                return
+            with contextlib.suppress(websockets.exceptions.ConnectionClosed):
+                await self.ws.send(self.codec.encode(kind, body))
+
+    async def _heartbeats(self) -> None:
+        while True:
+            await self.send(Kind.HEARTBEAT, {"time": time.time()})
+            await asyncio.sleep(self.heartbeat_interval)
+
+    async def _flush_logs(self) -> None:
+        while True:
+            await asyncio.sleep(FLUSH_S)
+            for batch, job, lines in self.shipper.take():
+                while len(self.shipper.unacked) > MAX_UNACKED:
+                    self._acked.clear()
+                    await self._acked.wait()
+                await self.send(
+                    Kind.LOGS, {"job": job, "batch": batch, "lines": [list(x) for x in lines]}
+                )
+
+    # ---- orders from the controller ------------------------------------------------------
+
+    async def _on_frame(self, frame: Frame) -> None:
+        body = frame.body
+        if frame.kind is Kind.LOGS_ACK:
+            self.shipper.unacked.pop(int(body.get("batch") or 0), None)
+            self._acked.set()
+        elif frame.kind is Kind.HEARTBEAT_ACK:
+            for job in body.get("stop", []):
+                await self._stop(str(job), "the job ended (heartbeat)")
+        elif frame.kind is Kind.PREPARE_RENDEZVOUS:
+            await self._prepare(body)
+        elif frame.kind is Kind.ASSIGN:
+            self._start(body)
+        elif frame.kind is Kind.STOP:
+            await self._stop(str(body.get("job")), str(body.get("reason", "stopped")))
+        elif frame.kind is Kind.ERROR:
+            raise AuthRefused(f"the controller refused: {body.get('message')}")
+
+    async def _prepare(self, body: dict[str, Any]) -> None:
+        addr = str(body["addr"])
+        port = body.get("port") or free_port(addr)
+        await self.send(
+            Kind.RENDEZVOUS_READY,
+            {
+                "job": body["job"],
+                "epoch": body["epoch"],
+                "node_rank": 0,
+                "addr": addr,
+                "port": port,
+            },
+        )
+
+    def _start(self, assignment: dict[str, Any]) -> None:
+        job = str(assignment["job"])
+        http = httpx.AsyncClient(
+            base_url=self.config.controller,
+            timeout=60,
+            headers={"Authorization": f"Ticket {self.ticket}"},
+        )
+        member = MemberRun(
+            assignment,
+            work_dir=self.config.work_dir,
+            python=self.config.python,
+            http=http,
+            send=self.send,
+            emit=lambda line: self.shipper.add(job, line),
+            grace=self.config.grace,
+        )
+        self.members[job] = member
+
+        async def run() -> None:
+            try:
+                await member.run()
+            except Exception as exc:
+                log.exception("member of %s failed", job)
+                await self.send(
+                    Kind.MEMBER_EXITED,
+                    {**member.ids(), "exit_code": 1, "tail": [f"muster agent error: {exc}"]},
+                )
+            finally:
+                await http.aclose()
+                self.members.pop(job, None)
+
+        member.task = asyncio.create_task(run())
+
+    async def _stop(self, job: str, reason: str) -> None:
+        member = self.members.get(job)
+        if member is not None:
+            await member.stop(reason)
+
+    async def _stop_all(self, reason: str) -> None:
+        for member in list(self.members.values()):
+            await member.stop(reason)
+
+
+def free_port(addr: str) -> int:
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((addr, 0))
+        return int(s.getsockname()[1])
+
+
+def _bytes(message: str | bytes) -> bytes:
+    if isinstance(message, str):
+        raise FrameRefused("malformed", "text message on the control link")
+    return message

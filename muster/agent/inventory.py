@@ -1,0 +1,126 @@
+"""What this machine offers: GPUs, the jobs' Python with torch and torchrun, its address."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import shutil
+import socket
+import subprocess
+from urllib.parse import urlparse
+
+import psutil
+
+from muster.spec import Gpus, NetworkCaps, WorkerInventory
+
+_PROBE = """
+import importlib.util, json, platform
+out = {"python": platform.python_version(), "torch": None, "torchrun": False, "backends": []}
+try:
+    import torch, torch.distributed as dist
+    out["torch"] = torch.__version__.split("+")[0]
+    out["torchrun"] = importlib.util.find_spec("torch.distributed.run") is not None
+    if dist.is_available() and dist.is_gloo_available():
+        out["backends"].append("gloo")
+    if dist.is_available() and dist.is_nccl_available() and torch.cuda.is_available():
+        out["backends"].append("nccl")
+except Exception:
+    pass
+print(json.dumps(out))
+"""
+
+
+def probe_python(python: str) -> dict[str, object]:
+    """torch version, torchrun and backends as the jobs' Python sees them."""
+    try:
+        done = subprocess.run(
+            [python, "-c", _PROBE], capture_output=True, text=True, timeout=120, check=False
+        )
+        data: dict[str, object] = json.loads(done.stdout.strip().splitlines()[-1])
+        return data
+    except (OSError, subprocess.TimeoutExpired, json.JSONDecodeError, IndexError):
+        return {"python": "", "torch": None, "torchrun": False, "backends": []}
+
+
+def probe_gpus() -> Gpus:
+    """NVIDIA GPUs through nvidia-smi when it is there; otherwise none."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return Gpus()
+    try:
+        done = subprocess.run(
+            [smi, "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return Gpus()
+    rows = [line.split(",") for line in done.stdout.strip().splitlines() if line.strip()]
+    if not rows:
+        return Gpus()
+    return Gpus(
+        count=len(rows), vendor="nvidia", model=rows[0][0].strip(), memory_mb=int(float(rows[0][1]))
+    )
+
+
+def advertise_address_for(controller_url: str) -> str:
+    """The local address that routes to the controller (loopback stays loopback)."""
+    host = urlparse(controller_url).hostname or "127.0.0.1"
+    try:
+        if ipaddress.ip_address(socket.gethostbyname(host)).is_loopback:
+            return "127.0.0.1"
+    except (OSError, ValueError):
+        pass
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))  # no packet is sent: this only picks the route
+        return str(s.getsockname()[0])
+
+
+def interface_of(address: str) -> str:
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == address for a in addrs):
+            return name
+    return "lo" if ipaddress.ip_address(address).is_loopback else "eth0"
+
+
+def network_caps(address: str, private_network: str | None) -> NetworkCaps:
+    """Hosts on one loopback, or on one declared (or same /24) network, share a private path."""
+    iface = interface_of(address)
+    if ipaddress.ip_address(address).is_loopback:
+        net_id = f"loopback:{socket.gethostname()}"
+    elif private_network:
+        net_id = private_network
+    else:
+        net_id = f"subnet:{ipaddress.ip_network(f'{address}/24', strict=False)}"
+    return NetworkCaps(
+        private_network_id=net_id,
+        private_address=address,
+        private_interface=iface,
+        primary_interface=iface,
+    )
+
+
+def collect(
+    worker_id: str,
+    python: str,
+    address: str,
+    private_network: str | None = None,
+    labels: dict[str, str] | None = None,
+) -> WorkerInventory:
+    py = probe_python(python)
+    gpus = probe_gpus()
+    backends = [str(b) for b in py.get("backends", [])]  # type: ignore[attr-defined]
+    return WorkerInventory(
+        id=worker_id,
+        hostname=socket.gethostname(),
+        advertise_address=address,
+        python_version=str(py.get("python") or ""),
+        torch_version=str(py["torch"]) if py.get("torch") else None,
+        torchrun=bool(py.get("torchrun")),
+        backends=backends,
+        gpus=gpus,
+        network=network_caps(address, private_network),
+        labels=labels or {},
+    )

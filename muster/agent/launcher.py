@@ -1,0 +1,247 @@
+"""One member of a gang on this machine: bundle, torchrun, capture, stop, outputs (seed 001)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import io
+import logging
+import os
+import shutil
+import signal
+import tarfile
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+from muster.agent.capture import Line, RankTailer, list_outputs, root_cause
+from muster.errors import InfrastructureError
+from muster.plan import GangAddressing, launch_env, torchrun_argv
+from muster.spec import JobSpec, PathClass
+from muster.wire import Kind
+
+log = logging.getLogger("muster.agent")
+
+Send = Callable[[Kind, dict[str, Any]], Awaitable[None]]
+POLL_S = 0.05
+
+
+class MemberRun:
+    """Runs node ``node_rank`` of a job's gang until it exits or is stopped."""
+
+    def __init__(
+        self,
+        assignment: dict[str, Any],
+        *,
+        work_dir: Path,
+        python: str,
+        http: httpx.AsyncClient,
+        send: Send,
+        emit: Callable[[Line], None],
+        grace: float,
+    ) -> None:
+        self.job = str(assignment["job"])
+        self.epoch = int(assignment["epoch"])
+        self.node = int(assignment["node_rank"])
+        self.spec = JobSpec.model_validate(assignment["spec"], strict=False)
+        self.addressing = GangAddressing(
+            PathClass(assignment["path"]),
+            tuple(assignment["addresses"]),
+            tuple(assignment["interfaces"]),
+            int(assignment["master_port"]),
+        )
+        self.bundle: str | None = assignment.get("bundle")
+        self.dir = work_dir / self.job / f"node{self.node}"
+        self.python = python
+        self.http = http
+        self.send = send
+        self.emit = emit
+        self.grace = grace
+        self.proc: asyncio.subprocess.Process | None = None
+        self.stopping: str | None = None
+        self.launcher_lines: deque[str] = deque(maxlen=400)
+        self._launcher_seq = 0
+        self.task: asyncio.Task[None] | None = None
+
+    def ids(self) -> dict[str, Any]:
+        return {"job": self.job, "epoch": self.epoch, "node_rank": self.node}
+
+    async def run(self) -> None:
+        run_dir = self.dir / "src"
+        out_dir = run_dir / self.spec.output_dir
+        capture_dir = self.dir / "logs"
+        try:
+            if self.dir.exists():
+                shutil.rmtree(self.dir)
+            run_dir.mkdir(parents=True)
+            if self.bundle:
+                await self._fetch_bundle(run_dir)
+            out_dir.mkdir(parents=True, exist_ok=True)
+        except (OSError, InfrastructureError, httpx.HTTPError, tarfile.TarError) as exc:
+            self._launcher_line("stderr", f"muster: could not prepare the run directory: {exc}")
+            await self.send(
+                Kind.MEMBER_EXITED,
+                {**self.ids(), "exit_code": 127, "tail": list(self.launcher_lines)},
+            )
+            return
+        if self.stopping:
+            await self.send(
+                Kind.MEMBER_EXITED, {**self.ids(), "exit_code": 143, "signal": "SIGTERM"}
+            )
+            return
+        addressing = self.addressing
+        argv = torchrun_argv(
+            self.spec,
+            self.node,
+            addressing.master_addr,
+            addressing.master_port,
+            python=self.python,
+            capture_dir=str(capture_dir),
+        )
+        env = launch_env(
+            self.spec, self.node, addressing, node_env=os.environ, output_dir=str(out_dir)
+        )
+        self.proc = await asyncio.create_subprocess_exec(
+            *argv,
+            cwd=run_dir,
+            env=env,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+        )
+        await self.send(Kind.MEMBER_STARTED, {**self.ids(), "pid": self.proc.pid})
+        procs = self.spec.gang.procs_per_worker
+        tailer = RankTailer(capture_dir, self.node * procs, procs, self.emit)
+        assert self.proc.stdout is not None
+        assert self.proc.stderr is not None
+        pumps = [
+            asyncio.create_task(self._pump(self.proc.stdout, "stdout")),
+            asyncio.create_task(self._pump(self.proc.stderr, "stderr")),
+        ]
+        wait = asyncio.create_task(self.proc.wait())
+        while not wait.done():
+            tailer.poll()
+            await asyncio.wait([wait], timeout=POLL_S)
+        await asyncio.gather(*pumps, return_exceptions=True)
+        tailer.poll(final=True)
+        await self._report_exit(self.proc.returncode or 0, tailer)
+        await self._upload(out_dir)
+
+    async def _report_exit(self, code: int, tailer: RankTailer) -> None:
+        failed_rank, failed_exit, sig = root_cause(list(self.launcher_lines))
+        if code < 0:
+            sig = signal.Signals(-code).name
+        if self.stopping and code != 0 and sig is None:
+            sig = "SIGTERM"
+        tail: list[str] = []
+        if failed_rank is not None and failed_rank in tailer.tails:
+            tail = list(tailer.tails[failed_rank])
+        elif code != 0:
+            tail = list(self.launcher_lines)[-20:]
+        await self.send(
+            Kind.MEMBER_EXITED,
+            {
+                **self.ids(),
+                "exit_code": code,
+                "signal": sig,
+                "failed_rank": failed_rank,
+                "failed_exit": failed_exit,
+                "tail": tail,
+            },
+        )
+
+    async def _pump(self, stream: asyncio.StreamReader, name: str) -> None:
+        while True:
+            raw = await stream.readline()
+            if not raw:
+                return
+            self._launcher_line(name, raw.decode("utf-8", errors="replace").rstrip("\r\n"))
+
+    def _launcher_line(self, stream: str, text: str) -> None:
+        import time
+
+        self._launcher_seq += 1
+        self.launcher_lines.append(text)
+        self.emit(("node", self.node, self._launcher_seq, time.time(), stream, text))
+
+    async def _fetch_bundle(self, run_dir: Path) -> None:
+        response = await self.http.get(f"/v1/bundles/{self.bundle}")
+        if response.status_code != 200:
+            raise InfrastructureError(f"bundle {self.bundle}: HTTP {response.status_code}")
+        data = response.content
+        if hashlib.sha256(data).hexdigest() != self.bundle:
+            raise InfrastructureError(f"bundle {self.bundle}: checksum mismatch")
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+            tar.extractall(run_dir, filter="data")
+
+    async def _upload(self, out_dir: Path) -> None:
+        files: list[str] = []
+        errors: list[str] = []
+        for path in list_outputs(out_dir):
+            rel = path.relative_to(out_dir).as_posix()
+            digest = await asyncio.to_thread(_sha256, path)
+            try:
+                response = await self.http.put(
+                    f"/v1/jobs/{self.job}/artifacts/{self.node}/{rel}",
+                    content=_read_chunks(path),
+                    headers={"X-Muster-Sha256": digest},
+                )
+                if response.status_code == 201:
+                    files.append(rel)
+                else:
+                    errors.append(f"{rel}: HTTP {response.status_code} {response.text[:200]}")
+            except httpx.HTTPError as exc:
+                errors.append(f"{rel}: {exc}")
+        for err in errors:
+            self._launcher_line("stderr", f"muster: upload failed: {err}")
+        await self.send(Kind.ARTIFACTS_DONE, {**self.ids(), "files": files, "errors": errors})
+
+    async def stop(self, reason: str) -> None:
+        """Kill the member's whole process tree: SIGTERM, then SIGKILL after the grace."""
+        if self.stopping:
+            return
+        self.stopping = reason
+        proc = self.proc
+        if proc is None or proc.returncode is not None:
+            return
+        self._launcher_line("stderr", f"muster: stopping: {reason}")
+        await asyncio.to_thread(kill_tree, proc.pid, self.grace)
+
+
+def kill_tree(pid: int, grace: float) -> None:
+    """SIGTERM the process, its group and every descendant; SIGKILL what is left after grace."""
+    try:
+        root = psutil.Process(pid)
+        family = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGTERM)
+    for proc in family:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.send_signal(signal.SIGTERM)
+    _gone, alive = psutil.wait_procs(family, timeout=grace)
+    for proc in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    psutil.wait_procs(alive, timeout=grace)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+async def _read_chunks(path: Path) -> AsyncIterator[bytes]:
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 20):
+            yield chunk

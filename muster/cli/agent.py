@@ -1,0 +1,61 @@
+"""``muster agent``: offer this machine to a controller."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import sys
+from pathlib import Path
+
+import typer
+
+from muster.agent.agent import Agent, AgentConfig
+from muster.agent.inventory import advertise_address_for, collect
+from muster.cli.main import app, reports_errors
+from muster.client import controller_url
+from muster.errors import UserError
+from muster.store import data_dir
+
+
+@app.command()
+@reports_errors
+def agent(
+    controller: str = typer.Option(
+        None,
+        "--controller",
+        "-c",
+        envvar="MUSTER_CONTROLLER",
+        help="controller URL [default: http://127.0.0.1:7070]",
+    ),
+    token: str = typer.Option(
+        ..., "--token", envvar="MUSTER_TOKEN", help="the join token `muster token` prints"
+    ),
+    name: str = typer.Option(None, help="worker id [default: hostname]"),
+    python: str = typer.Option(sys.executable, help="the Python the jobs run with"),
+    work_dir: Path = typer.Option(None, help="where jobs unpack and run [data dir]"),
+    advertise_address: str = typer.Option(None, help="address other nodes reach this one at"),
+    private_network: str = typer.Option(
+        None, help="id of the network this host shares with others [same /24]"
+    ),
+    persist: bool = typer.Option(False, help="dial again forever when the link is lost"),
+    grace: float = typer.Option(10.0, help="seconds between SIGTERM and SIGKILL on stop"),
+) -> None:
+    """Dial the controller and run the gang members it assigns here."""
+    url = controller_url(controller)
+    worker_id = name or socket.gethostname()
+    if not token.strip():
+        raise UserError("--token is empty; copy it from `muster token` on the controller")
+    address = advertise_address or advertise_address_for(url)
+    config = AgentConfig(
+        controller=url,
+        token=token.split(".")[0],
+        worker_id=worker_id,
+        work_dir=work_dir or data_dir() / "agents" / worker_id,
+        python=python,
+        inventory=lambda: collect(worker_id, python, address, private_network),
+        persist=persist,
+        grace=grace,
+    )
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    raise typer.Exit(asyncio.run(Agent(config).run()))

@@ -1,0 +1,294 @@
+"""The HTTP API: jobs, workers, logs, bundles and artifacts. JSON in, JSON out."""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Depends, Header, Request
+from fastapi.responses import FileResponse
+
+from muster.controller.files import FileStore
+from muster.controller.gangs import Controller
+from muster.errors import BadRequest, NotFound, SpecError
+from muster.plan import rank_plan
+from muster.spec import JobState, parse_job
+from muster.store import Store
+from muster.store.models import Job
+
+router = APIRouter(prefix="/v1")
+
+
+def controller(request: Request) -> Controller:
+    return request.app.state.controller  # type: ignore[no-any-return]
+
+
+def store(request: Request) -> Store:
+    return request.app.state.store  # type: ignore[no-any-return]
+
+
+def files(request: Request) -> FileStore:
+    return request.app.state.files  # type: ignore[no-any-return]
+
+
+def check_ticket(request: Request, authorization: str = Header(default="")) -> str:
+    """HTTP calls an agent makes carry its session's ticket: ``Authorization: Ticket T``."""
+    ticket = authorization.removeprefix("Ticket ").strip()
+    ctl = controller(request)
+    for link in ctl.links.values():
+        if ticket and link.ticket == ticket:
+            return link.worker_id
+    raise PermissionError("a valid agent ticket is required")
+
+
+@router.get("/health")
+def health() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+# ---- jobs --------------------------------------------------------------------------------
+
+
+def job_summary(job: Job) -> dict[str, Any]:
+    return {
+        "id": job.id,
+        "name": job.name,
+        "state": job.state,
+        "priority": job.priority,
+        "path_class": job.path_class,
+        "why_pending": job.why_pending,
+        "root_cause": job.root_cause,
+        "submitted_at": job.submitted_at.isoformat(),
+        "started_at": job.started_at.isoformat() if job.started_at else None,
+        "finished_at": job.finished_at.isoformat() if job.finished_at else None,
+        "world_size": job.spec.get("distributed", {}) and None,
+    }
+
+
+@router.post("/jobs", status_code=201)
+async def submit(request: Request) -> dict[str, Any]:
+    body = await request.json()
+    if not isinstance(body, dict) or "spec" not in body:
+        raise BadRequest("send {'spec': {...}, 'bundle_sha256': '...'}")
+    spec = parse_job(body["spec"], source="spec")
+    bundle = body.get("bundle_sha256")
+    if bundle is not None and not files(request).has_bundle(str(bundle)):
+        raise SpecError([_field("bundle_sha256", f"no bundle {bundle}; upload it first")])
+    ctl = controller(request)
+    job = await ctl.db(store(request).submit_job, spec, bundle_sha256=bundle)
+    ctl.request_pass()
+    return job_summary(job)
+
+
+def _field(name: str, message: str) -> Any:
+    from muster.errors import FieldError
+
+    return FieldError(name, message)
+
+
+@router.get("/jobs")
+async def list_jobs(request: Request) -> list[dict[str, Any]]:
+    jobs = await controller(request).db(store(request).jobs)
+    return [job_summary(j) for j in jobs]
+
+
+@router.get("/jobs/{job_id}")
+async def describe(job_id: str, request: Request) -> dict[str, Any]:
+    st, ctl = store(request), controller(request)
+    job = await ctl.db(st.job, job_id)
+    spec = st.job_spec(job)
+    plan = rank_plan(spec)
+    members = await ctl.db(st.members, job_id)
+    events = await ctl.db(st.events, job_id)
+    conditions = await ctl.db(st.conditions, job_id)
+    return {
+        **job_summary(job),
+        "spec": job.spec,
+        "world_size": plan.world_size,
+        "members": [
+            {
+                "node_rank": m.node_rank,
+                "worker": m.worker_id,
+                "state": m.state,
+                "exit_code": m.exit_code,
+                "signal": m.signal,
+                "advertise_address": m.advertise_address,
+                "path_address": m.path_address,
+                "ranks": [
+                    plan.nodes[m.node_rank].ranks.start,
+                    plan.nodes[m.node_rank].ranks.stop - 1,
+                ],
+            }
+            for m in members
+        ],
+        "events": [
+            {"time": e.time.isoformat(), "kind": e.kind, "message": e.message, "data": e.data}
+            for e in events
+        ],
+        "conditions": [
+            {"type": c.type, "status": c.status, "reason": c.reason, "message": c.message}
+            for c in conditions
+        ],
+    }
+
+
+@router.post("/jobs/{job_id}/cancel")
+async def cancel(job_id: str, request: Request) -> dict[str, Any]:
+    ctl = controller(request)
+    await ctl.cancel(job_id)
+    return job_summary(await ctl.db(store(request).job, job_id))
+
+
+# ---- logs --------------------------------------------------------------------------------
+
+
+@router.get("/jobs/{job_id}/logs")
+async def logs(
+    job_id: str,
+    request: Request,
+    rank: int | None = None,
+    node: int | None = None,
+    after: str = "",
+    limit: int = 10_000,
+) -> dict[str, Any]:
+    """Lines after the cursor ``after`` (opaque; from the previous answer's ``next``)."""
+    st, ctl = store(request), controller(request)
+    job = await ctl.db(st.job, job_id)
+    cursor = _decode_cursor(after)
+    ranks: list[int] | None = None
+    if node is not None:
+        plan = rank_plan(st.job_spec(job))
+        if not 0 <= node < plan.num_nodes:
+            raise BadRequest(f"--node {node}: the job has nodes 0..{plan.num_nodes - 1}")
+        ranks = list(plan.nodes[node].ranks)
+    if rank is not None:
+        ranks = [rank] if ranks is None or rank in ranks else []
+    lines = await ctl.db(st.logs_after, job_id, cursor, ranks=ranks, limit=min(limit, 50_000))
+    for line in lines:
+        key = f"{line.origin}{line.rank}"
+        cursor[key] = max(cursor.get(key, 0), line.seq)
+    return {
+        "job": job_id,
+        "state": job.state,
+        "lines": [
+            {
+                "origin": ln.origin,
+                "rank": ln.rank,
+                "seq": ln.seq,
+                "time": ln.time_us / 1e6,
+                "stream": ln.stream,
+                "text": ln.text,
+            }
+            for ln in lines
+        ],
+        "next": _encode_cursor(cursor),
+    }
+
+
+def _decode_cursor(text: str) -> dict[str, int]:
+    if not text:
+        return {}
+    try:
+        data = json.loads(base64.urlsafe_b64decode(text.encode()))
+        return {str(k): int(v) for k, v in data.items()}
+    except (ValueError, AttributeError) as exc:
+        raise BadRequest("after: not a cursor this API returned") from exc
+
+
+def _encode_cursor(cursor: dict[str, int]) -> str:
+    return base64.urlsafe_b64encode(json.dumps(cursor).encode()).decode()
+
+
+# ---- bundles and artifacts ---------------------------------------------------------------
+
+
+async def _chunks(request: Request) -> AsyncIterator[bytes]:
+    async for chunk in request.stream():
+        if chunk:
+            yield chunk
+
+
+@router.post("/bundles", status_code=201)
+async def upload_bundle(request: Request) -> dict[str, Any]:
+    sha, size = await files(request).save_bundle(_chunks(request))
+    return {"sha256": sha, "size": size}
+
+
+@router.get("/bundles/{sha256}")
+async def download_bundle(
+    sha256: str, request: Request, _worker: str = Depends(check_ticket)
+) -> FileResponse:
+    path = files(request).bundle_path(sha256)
+    if not path.is_file():
+        raise NotFound(f"no bundle {sha256}")
+    return FileResponse(path, media_type="application/gzip")
+
+
+@router.put("/jobs/{job_id}/artifacts/{node_rank}/{rel:path}", status_code=201)
+async def upload_artifact(
+    job_id: str,
+    node_rank: int,
+    rel: str,
+    request: Request,
+    x_muster_sha256: str = Header(...),
+    worker: str = Depends(check_ticket),
+) -> dict[str, Any]:
+    st, ctl = store(request), controller(request)
+    members = await ctl.db(st.members, job_id)
+    if not any(m.node_rank == node_rank and m.worker_id == worker for m in members):
+        raise BadRequest(f"worker {worker} is not node{node_rank} of job {job_id}")
+    size = await files(request).save_artifact(
+        job_id, node_rank, rel, _chunks(request), x_muster_sha256
+    )
+    await ctl.db(st.add_artifact, job_id, node_rank, rel, size, x_muster_sha256)
+    return {"path": f"node{node_rank}/{rel}", "size": size, "sha256": x_muster_sha256}
+
+
+@router.get("/jobs/{job_id}/artifacts")
+async def list_artifacts(job_id: str, request: Request) -> list[dict[str, Any]]:
+    st, ctl = store(request), controller(request)
+    await ctl.db(st.job, job_id)
+    return [
+        {
+            "path": f"node{a.node_rank}/{a.path}",
+            "node_rank": a.node_rank,
+            "size": a.size,
+            "sha256": a.sha256,
+        }
+        for a in await ctl.db(st.artifacts, job_id)
+    ]
+
+
+@router.get("/jobs/{job_id}/artifacts/{node_rank}/{rel:path}")
+async def download_artifact(
+    job_id: str, node_rank: int, rel: str, request: Request
+) -> FileResponse:
+    return FileResponse(files(request).open_artifact(job_id, node_rank, rel))
+
+
+# ---- workers -----------------------------------------------------------------------------
+
+
+@router.get("/workers")
+async def list_workers(request: Request) -> list[dict[str, Any]]:
+    st, ctl = store(request), controller(request)
+    rows = await ctl.db(st.worker_rows)
+    return [
+        {
+            "id": w.id,
+            "hostname": w.hostname,
+            "state": w.state,
+            "job": w.job_id,
+            "advertise_address": w.advertise_address,
+            "torch": w.inventory.get("torch_version"),
+            "gpus": w.inventory.get("gpus", {}).get("count", 0),
+            "connected": w.id in ctl.links,
+            "last_seen": w.last_seen.isoformat(),
+        }
+        for w in rows
+    ]
+
+
+__all__ = ["JobState", "router"]

@@ -1,0 +1,134 @@
+"""The controller's one port: HTTP API, agents' control links, /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import FastAPI, Request, Response, WebSocket
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from muster.controller.api import router
+from muster.controller.files import FileStore
+from muster.controller.gangs import Controller
+from muster.controller.links import CLOSE_REFUSED, handshake, serve_frames
+from muster.controller.metrics import Metrics
+from muster.errors import MusterError, SpecError
+from muster.store import Store
+from muster.wire import Kind
+
+log = logging.getLogger("muster.controller")
+
+
+@dataclass
+class ControllerConfig:
+    store: Store
+    artifacts: Path
+    host: str = "127.0.0.1"
+    heartbeat_interval: float = 3.0
+    heartbeat_timeout: float = 15.0
+
+
+def join_token(store: Store) -> str:
+    """The join token: made at first start, kept in the database."""
+    return store.setting("join_token", lambda: secrets.token_urlsafe(24))
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def create_app(config: ControllerConfig) -> FastAPI:
+    store = config.store
+    store.mark_all_offline()
+    metrics = Metrics()
+    controller = Controller(store, metrics, config.heartbeat_timeout)
+    token = join_token(store)
+    needs_auth = not is_loopback(config.host)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.create_task(controller.supervise())
+        controller.request_pass()
+        try:
+            yield
+        finally:
+            task.cancel()
+            for link in list(controller.links.values()):
+                await link.close(1001)
+
+    app = FastAPI(title="muster", version="0.1.0", lifespan=lifespan)
+    app.state.store = store
+    app.state.controller = controller
+    app.state.files = FileStore(config.artifacts)
+    app.state.metrics = metrics
+    app.include_router(router)
+
+    @app.middleware("http")
+    async def require_token(
+        request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        # Off loopback every API call carries the token (agents carry their ticket instead).
+        auth = request.headers.get("authorization", "")
+        if (
+            needs_auth
+            and request.url.path.startswith("/v1/")
+            and request.url.path != "/v1/health"
+            and not auth.startswith("Ticket ")
+            and not secrets.compare_digest(auth.encode(), f"Bearer {token}".encode())
+        ):
+            return JSONResponse({"error": "send Authorization: Bearer <token>"}, status_code=401)
+        return await call_next(request)
+
+    @app.exception_handler(MusterError)
+    async def muster_error(_request: Request, exc: MusterError) -> JSONResponse:
+        body: dict[str, object] = {"error": str(exc), "kind": type(exc).__name__}
+        if isinstance(exc, SpecError):
+            body["errors"] = [{"field": e.field, "message": e.message} for e in exc.errors]
+        return JSONResponse(body, status_code=exc.http_status)
+
+    @app.exception_handler(PermissionError)
+    async def forbidden(_request: Request, exc: PermissionError) -> JSONResponse:
+        return JSONResponse({"error": str(exc)}, status_code=403)
+
+    @app.get("/metrics")
+    def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.websocket("/v1/agents/link")
+    async def agent_link(ws: WebSocket) -> None:
+        await ws.accept()
+        link = await handshake(ws, token, metrics, config.heartbeat_interval)
+        if link is None:
+            return
+        if not await controller.link_up(link):
+            await link.send(
+                Kind.ERROR,
+                {
+                    "message": f"worker id {link.worker_id!r} is already connected; "
+                    "give this agent another --name"
+                },
+            )
+            await link.close(CLOSE_REFUSED)
+            return
+        log.info("worker %s connected", link.worker_id)
+        why = "control link closed"
+        try:
+            why = await serve_frames(link, metrics, controller.on_frame)
+        finally:
+            await controller.link_down(link, why)
+            log.info("worker %s disconnected: %s", link.worker_id, why)
+
+    return app

@@ -1,0 +1,85 @@
+"""Where the controller keeps source bundles and uploaded artifacts on disk."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path, PurePosixPath
+
+from muster.errors import BadRequest, NotFound
+
+SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+class FileStore:
+    """``bundles/<sha256>.tar.gz`` and ``artifacts/<job>/node<r>/<path>`` under one root."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        (root / "bundles").mkdir(parents=True, exist_ok=True)
+        (root / "artifacts").mkdir(parents=True, exist_ok=True)
+
+    def bundle_path(self, sha256: str) -> Path:
+        if not SHA256.match(sha256):
+            raise BadRequest(f"{sha256!r} is not a sha256 hex digest")
+        return self.root / "bundles" / f"{sha256}.tar.gz"
+
+    def has_bundle(self, sha256: str) -> bool:
+        return self.bundle_path(sha256).is_file()
+
+    async def save_bundle(self, chunks: AsyncIterator[bytes]) -> tuple[str, int]:
+        """Store an uploaded bundle under its own digest; returns (sha256, size)."""
+        tmp, digest, size = await _spool(chunks, self.root / "bundles")
+        target = self.bundle_path(digest)
+        os.replace(tmp, target)
+        return digest, size
+
+    def artifact_path(self, job_id: str, node_rank: int, rel: str) -> Path:
+        clean = safe_relative(rel)
+        return self.root / "artifacts" / job_id / f"node{node_rank}" / clean
+
+    async def save_artifact(
+        self, job_id: str, node_rank: int, rel: str, chunks: AsyncIterator[bytes], sha256: str
+    ) -> int:
+        """Stream an artifact to disk; refuse it (keeping nothing) if its sha256 differs."""
+        target = self.artifact_path(job_id, node_rank, rel)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp, digest, size = await _spool(chunks, target.parent)
+        if digest != sha256:
+            os.unlink(tmp)
+            raise BadRequest(f"artifact {rel}: sha256 {digest} does not match {sha256}")
+        os.replace(tmp, target)
+        return size
+
+    def open_artifact(self, job_id: str, node_rank: int, rel: str) -> Path:
+        path = self.artifact_path(job_id, node_rank, rel)
+        if not path.is_file():
+            raise NotFound(f"job {job_id} has no artifact node{node_rank}/{rel}")
+        return path
+
+
+def safe_relative(rel: str) -> PurePosixPath:
+    """A relative path with no '..', absolute part or empty name."""
+    path = PurePosixPath(rel)
+    if not rel or path.is_absolute() or ".." in path.parts or "" in path.parts:
+        raise BadRequest(f"{rel!r} is not a relative path inside the output directory")
+    return path
+
+
+async def _spool(chunks: AsyncIterator[bytes], where: Path) -> tuple[str, str, int]:
+    digest = hashlib.sha256()
+    size = 0
+    fd, tmp = tempfile.mkstemp(dir=where, prefix=".upload-")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            async for chunk in chunks:
+                digest.update(chunk)
+                size += len(chunk)
+                out.write(chunk)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return tmp, digest.hexdigest(), size
