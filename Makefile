@@ -29,10 +29,9 @@ pytest: setup
 
 test: lint typecheck imports pytest
 
-# Until the controller lands, the demo is a dry run: validate the example job, then place it.
+# A controller on SQLite in a temporary data dir, two local agents, the DDP example.
 demo: setup
-	$(BIN)/muster validate examples/plan/job.yaml
-	$(BIN)/muster plan examples/plan/job.yaml --workers examples/plan/workers.yaml
+	$(BIN)/muster demo
 
 bench: setup
 	$(BIN)/python bench/scheduler.py

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import socket
 import time
 from collections.abc import Callable
@@ -90,7 +91,23 @@ class Agent:
     # ---- dialing -------------------------------------------------------------------------
 
     async def run(self) -> int:
-        """Serve until the link ends (or forever with persist); returns an exit code."""
+        """Serve until the link ends (or forever with persist), or SIGTERM/SIGINT; on the way
+        out every member's process tree is stopped. Returns an exit code."""
+        session = asyncio.create_task(self._serve())
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, session.cancel)
+        try:
+            return await session
+        except asyncio.CancelledError:
+            log.info("stopping: ending every member's processes")
+            await self._stop_all("the agent is shutting down")
+            tasks = [m.task for m in self.members.values() if m.task is not None]
+            if tasks:
+                await asyncio.wait(tasks, timeout=self.config.grace + 5)
+            return 0
+
+    async def _serve(self) -> int:
         delay = self.config.backoff[0]
         while True:
             try:

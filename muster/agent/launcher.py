@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import hashlib
 import io
 import logging
@@ -212,6 +213,14 @@ class MemberRun:
             return
         self._launcher_line("stderr", f"muster: stopping: {reason}")
         await asyncio.to_thread(kill_tree, proc.pid, self.grace)
+
+
+def _term_with_parent() -> None:
+    """In the child before exec: SIGTERM torchrun if the agent dies, even by SIGKILL, so that
+    torchrun stops its ranks (Linux prctl PR_SET_PDEATHSIG)."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM, 0, 0, 0)
 
 
 def kill_tree(pid: int, grace: float) -> None:

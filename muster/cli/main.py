@@ -50,6 +50,7 @@ def main() -> None:
     from muster.cli import (  # noqa: F401  (each module registers its verbs)
         agent,
         artifacts,
+        demo,
         jobs,
         logs,
         plan,

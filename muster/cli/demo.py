@@ -1,0 +1,76 @@
+"""``muster demo``: a controller, two agents and the DDP example, all on this machine."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from muster.cli.follow import follow_logs
+from muster.cli.local import LocalCluster
+from muster.cli.main import app, err, out, reports_errors
+from muster.client import pack_bundle
+from muster.errors import UserError
+from muster.spec import load_job_file
+
+
+@app.command()
+@reports_errors
+def demo(
+    job_file: Path = typer.Option(
+        Path("examples/ddp/job.yaml"), "--job", help="the job to run [examples/ddp/job.yaml]"
+    ),
+    agents: int = typer.Option(2, help="local agents to start"),
+) -> None:
+    """Run a job on a throwaway local cluster: controller (SQLite), agents, logs, summary."""
+    if not job_file.is_file():
+        raise UserError(f"{job_file} not found; run from the muster checkout or pass --job")
+    spec = load_job_file(job_file)
+    cluster = LocalCluster(agents=agents)
+    with err.status("starting a controller and agents on loopback"):
+        cluster.__enter__()
+    try:
+        err.print(
+            f"controller {cluster.url}, {agents} agents, data in {cluster.data_dir}", markup=False
+        )
+        api = cluster.client()
+        bundle, digest = pack_bundle((job_file.parent / spec.workdir).resolve())
+        api.upload_bundle(bundle)
+        job_id = api.submit(spec.model_dump(mode="json"), digest)["id"]
+        err.print(f"submitted {job_id}", markup=False)
+        state = follow_logs(api, job_id)
+        summary(api.job(job_id), api.logs(job_id, limit=50_000)["lines"], api.artifacts(job_id))
+    finally:
+        with err.status("stopping the agents and the controller"):
+            cluster.__exit__(None, None, None)
+    raise typer.Exit(0 if state == "succeeded" else 1)
+
+
+def summary(
+    job: dict[str, object], lines: list[dict[str, object]], artifacts: list[dict[str, object]]
+) -> None:
+    last: dict[int, str] = {}
+    reduce: dict[int, str] = {}
+    for line in lines:
+        if line["origin"] != "rank":
+            continue
+        rank, text = int(str(line["rank"])), str(line["text"])
+        if "all_reduce" in text:
+            reduce[rank] = text
+        if re.search(r"loss", text):
+            last[rank] = text
+    table = Table(title=f"{job['id']}: {job['state']}", box=None, header_style="bold")
+    for col in ("RANK", "ALL_REDUCE", "LAST"):
+        table.add_column(col)
+    for rank in sorted(set(reduce) | set(last)):
+        table.add_row(str(rank), reduce.get(rank, "-"), last.get(rank, "-"))
+    out.print(table)
+    if job.get("root_cause"):
+        out.print(f"root cause: {job['root_cause']}", markup=False)
+    for item in artifacts:
+        out.print(
+            f"artifact {item['path']}  {item['size']:,} bytes  sha256 {str(item['sha256'])[:16]}",
+            markup=False,
+        )

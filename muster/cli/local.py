@@ -1,0 +1,176 @@
+"""A controller and agents as local processes on loopback: `muster demo` and the tests."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+from muster.client import Client
+from muster.errors import InfrastructureError, MusterError
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class LocalCluster:
+    """``muster server`` plus N ``muster agent`` processes, all cleaned up on exit."""
+
+    agents: int = 2
+    data_dir: Path | None = None
+    db: str | None = None
+    heartbeat_timeout: float = 15.0
+    heartbeat_interval: float = 3.0
+    agent_args: list[str] = field(default_factory=list)
+    port: int = 0
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    _tmp: tempfile.TemporaryDirectory[str] | None = None
+
+    def __enter__(self) -> LocalCluster:
+        if self.data_dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="muster-")
+            self.data_dir = Path(self._tmp.name)
+        self.port = self.port or free_port()
+        try:
+            self.start_server()
+            for i in range(self.agents):
+                self.start_agent(f"agent-{i}")
+            self.wait_for_workers(self.agents)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def client(self) -> Client:
+        return Client(self.url)
+
+    def _env(self) -> dict[str, str]:
+        assert self.data_dir is not None
+        env = dict(os.environ)
+        env["MUSTER_DATA_DIR"] = str(self.data_dir)
+        env.pop("MUSTER_CONTROLLER", None)
+        env.pop("MUSTER_TOKEN", None)
+        return env
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+        assert self.data_dir is not None
+        log = open(self.data_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the process
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "muster", *args],
+            env=self._env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        log.close()
+        self.procs[name] = proc
+        return proc
+
+    def start_server(self) -> None:
+        args = [
+            "server",
+            "--port",
+            str(self.port),
+            "--heartbeat-timeout",
+            str(self.heartbeat_timeout),
+            "--heartbeat-interval",
+            str(self.heartbeat_interval),
+        ]
+        if self.db:
+            args += ["--db", self.db]
+        self._spawn("server", args)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with contextlib.suppress(MusterError):
+                self.client().health()
+                return
+            if self.procs["server"].poll() is not None:
+                break
+            time.sleep(0.1)
+        raise InfrastructureError(f"the controller did not start; see {self.log('server')}")
+
+    def token(self) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "muster", "token"] + (["--db", self.db] if self.db else []),
+            env=self._env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        return done.stdout.strip()
+
+    def start_agent(self, name: str, extra: list[str] | None = None) -> subprocess.Popen[bytes]:
+        assert self.data_dir is not None
+        return self._spawn(
+            name,
+            [
+                "agent",
+                "--controller",
+                self.url,
+                "--token",
+                self.token(),
+                "--name",
+                name,
+                "--work-dir",
+                str(self.data_dir / name),
+                *self.agent_args,
+                *(extra or []),
+            ],
+        )
+
+    def wait_for_workers(self, count: int, timeout: float = 90) -> None:
+        deadline = time.monotonic() + timeout
+        api = self.client()
+        while time.monotonic() < deadline:
+            connected = [w for w in api.workers() if w["connected"] and w["state"] == "idle"]
+            if len(connected) >= count:
+                return
+            time.sleep(0.2)
+        raise InfrastructureError(f"{count} agents did not connect within {timeout:.0f}s")
+
+    def log(self, name: str) -> Path:
+        assert self.data_dir is not None
+        return self.data_dir / f"{name}.log"
+
+    def stop(self, name: str, sig: int = signal.SIGTERM, timeout: float = 15) -> None:
+        proc = self.procs.get(name)
+        if proc is None or proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout)
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        # Agents first (they stop their jobs' process trees), then the controller.
+        for name in [n for n in self.procs if n != "server"] + ["server"]:
+            self.stop(name)
+        if self._tmp is not None:
+            self._tmp.cleanup()
