@@ -11,6 +11,7 @@ import logging
 import os
 import shutil
 import signal
+import sys
 import tarfile
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -116,6 +117,16 @@ class MemberRun:
             stderr=asyncio.subprocess.PIPE,
             start_new_session=True,
         )
+        reaper = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "muster.agent.reaper",
+            str(os.getpid()),
+            str(self.proc.pid),
+            str(self.grace),
+            stdin=asyncio.subprocess.DEVNULL,
+            start_new_session=True,
+        )
         await self.send(Kind.MEMBER_STARTED, {**self.ids(), "pid": self.proc.pid})
         procs = self.spec.gang.procs_per_worker
         tailer = RankTailer(capture_dir, self.node * procs, procs, self.emit)
@@ -130,6 +141,8 @@ class MemberRun:
             tailer.poll()
             await asyncio.wait([wait], timeout=POLL_S)
         await asyncio.gather(*pumps, return_exceptions=True)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(reaper.wait(), 5)
         tailer.poll(final=True)
         await self._report_exit(self.proc.returncode or 0, tailer)
         await self._upload(out_dir)

@@ -1,0 +1,163 @@
+"""Lost hosts, hostile frames and a controller restart, with real processes."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from websockets.sync.client import connect
+
+from muster import wire
+from muster.cli.local import LocalCluster
+from muster.wire import Kind
+from tests.e2e.helpers import (
+    all_lines,
+    submit,
+    wait_no_processes,
+    wait_state,
+    write_job,
+)
+
+pytestmark = pytest.mark.timeout(600)
+
+SLEEPER = """
+import os, time
+print(f"rank {os.environ['RANK']} running", flush=True)
+time.sleep(600)
+"""
+
+
+def wait_running(cluster: LocalCluster, job_id: str) -> None:
+    wait_state(cluster.client(), job_id, {"running"}, timeout=90)
+
+
+def test_agent_killed_mid_run_fails_the_job_as_lost(tmp_path: Path) -> None:
+    with LocalCluster(agents=2) as cluster:
+        api = cluster.client()
+        job_id = submit(api, write_job(tmp_path / "j", "lost", SLEEPER))
+        wait_running(cluster, job_id)
+        cluster.stop("agent-1", signal.SIGKILL)
+        job = wait_state(api, job_id, timeout=30)
+        assert job["state"] == "failed"
+        assert "node1 (worker agent-1) was lost" in job["root_cause"]
+        # torchrun dies with its agent (PDEATHSIG) and node0 is told to stop: nothing survives.
+        wait_no_processes(cluster, job_id, timeout=40)
+
+
+def test_stopped_agent_is_lost_after_the_heartbeat_timeout(tmp_path: Path) -> None:
+    with LocalCluster(agents=2, heartbeat_timeout=4, heartbeat_interval=1) as cluster:
+        api = cluster.client()
+        job_id = submit(api, write_job(tmp_path / "j", "stopped", SLEEPER))
+        wait_running(cluster, job_id)
+        agent = cluster.procs["agent-1"]
+        os.kill(agent.pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        try:
+            job = wait_state(api, job_id, timeout=30)
+            waited = time.monotonic() - stopped_at
+            assert job["state"] == "failed"
+            assert "no heartbeat" in job["root_cause"], job["root_cause"]
+            assert 3 <= waited < 15, waited
+        finally:
+            os.kill(agent.pid, signal.SIGCONT)
+
+
+def metric(cluster: LocalCluster, name: str, reason: str) -> float:
+    text = httpx.get(f"{cluster.url}/metrics", timeout=10).text
+    match = re.search(rf'^{name}_total{{reason="{reason}"}} (\S+)$', text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_hostile_frames_are_refused_and_counted(tmp_path: Path) -> None:
+    with LocalCluster(agents=2) as cluster:
+        url = cluster.url.replace("http", "ws") + "/v1/agents/link"
+        token = cluster.token()
+
+        # A wrong token: the link is closed, nothing is registered.
+        with connect(url) as ws:
+            anonce = wire.decode_plain(ws.recv(), Kind.CHALLENGE)["nonce"]
+            cnonce = wire.new_nonce()
+            ws.send(
+                wire.encode_plain(
+                    Kind.AUTH,
+                    {
+                        "worker_id": "intruder",
+                        "nonce": cnonce,
+                        "proof": wire.auth_proof("not-the-token", cnonce, anonce, "intruder"),
+                    },
+                )
+            )
+            with pytest.raises(Exception, match="4401"):
+                ws.recv(timeout=10)
+        assert metric(cluster, "muster_frames_refused", "auth") == 1
+
+        # An honest link, then a replayed, a forged and a malformed frame: all refused,
+        # and the link still answers the next honest heartbeat.
+        with connect(url) as ws:
+            anonce = wire.decode_plain(ws.recv(), Kind.CHALLENGE)["nonce"]
+            cnonce = wire.new_nonce()
+            ws.send(
+                wire.encode_plain(
+                    Kind.AUTH,
+                    {
+                        "worker_id": "probe",
+                        "nonce": cnonce,
+                        "proof": wire.auth_proof(token, cnonce, anonce, "probe"),
+                    },
+                )
+            )
+            codec = wire.LinkCodec(
+                wire.session_key(token, cnonce, anonce),
+                send=wire.TO_CONTROLLER,
+                receive=wire.TO_AGENT,
+            )
+            assert codec.decode(ws.recv(timeout=10)).kind is Kind.WELCOME
+            beat = codec.encode(Kind.HEARTBEAT, {"time": 1})
+            ws.send(beat)
+            assert codec.decode(ws.recv(timeout=10)).kind is Kind.HEARTBEAT_ACK
+            ws.send(beat)  # replayed
+            forged = bytearray(codec.encode(Kind.HEARTBEAT, {"time": 2}))
+            forged[-1] ^= 0xFF
+            ws.send(bytes(forged))
+            ws.send(b"\x01\x63garbage")  # malformed
+            ws.send(codec.encode(Kind.HEARTBEAT, {"time": 3}))
+            assert codec.decode(ws.recv(timeout=10)).kind is Kind.HEARTBEAT_ACK
+        for reason in ("replayed", "forged", "malformed"):
+            assert metric(cluster, "muster_frames_refused", reason) == 1, reason
+
+        # Honest agents were never disturbed: a job still runs.
+        api = cluster.client()
+        job_id = submit(api, write_job(tmp_path / "ok", "after", "print('fine')\n"))
+        assert wait_state(api, job_id)["state"] == "succeeded"
+
+
+def test_controller_restart_keeps_history_and_persistent_agents_return(tmp_path: Path) -> None:
+    cluster = LocalCluster(agents=2, agent_args=["--persist"])
+    with cluster:
+        api = cluster.client()
+        script = (
+            "import os\nprint('hello from', os.environ['RANK'])\n"
+            "open(os.environ['MUSTER_OUTPUT_DIR'] + '/out.txt', 'w').write('x')\n"
+        )
+        job_id = submit(api, write_job(tmp_path / "j", "before", script))
+        assert wait_state(api, job_id)["state"] == "succeeded"
+        lines_before = all_lines(api, job_id)
+        arts_before = api.artifacts(job_id)
+
+        cluster.stop("server")
+        cluster.start_server()  # same port, same data dir, same database
+        job = api.job(job_id)
+        assert job["state"] == "succeeded"
+        assert all_lines(api, job_id) == lines_before
+        assert api.artifacts(job_id) == arts_before
+        assert len(arts_before) == 2
+
+        cluster.wait_for_workers(2, timeout=60)  # --persist agents dial again
+        again = submit(api, write_job(tmp_path / "k", "after", "print('again')\n"))
+        assert wait_state(api, again)["state"] == "succeeded"
+        wait_no_processes(cluster, again)

@@ -1,0 +1,108 @@
+"""A real 2-node x 2-proc job end to end on loopback (seed 001's whole flow)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from muster.cli.local import LocalCluster
+from tests.e2e.helpers import all_lines, submit, wait_no_processes, wait_state, write_job
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    with LocalCluster(agents=2) as c:
+        yield c
+
+
+def test_ddp_example_succeeds_with_artifacts_and_gating(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    api = cluster.client()
+    job_id = submit(api, ROOT / "examples/ddp/job.yaml")
+    job = wait_state(api, job_id)
+    assert job["state"] == "succeeded", job["root_cause"]
+
+    lines = all_lines(api, job_id)
+    for rank in range(4):
+        mine = [ln["text"] for ln in lines if ln["origin"] == "rank" and ln["rank"] == rank]
+        assert "all_reduce sum=10 expected=10 ok" in mine, f"rank {rank}: {mine[:5]}"
+
+    arts = {a["path"]: a for a in api.artifacts(job_id)}
+    assert {"node0/checkpoint.pt", "node1/checkpoint.pt"} <= set(arts)
+    for path, item in arts.items():
+        dest = tmp_path / path
+        api.download_artifact(job_id, path, dest)
+        assert hashlib.sha256(dest.read_bytes()).hexdigest() == item["sha256"]
+    # DDP keeps the replicas identical: both nodes' checkpoints are the same bytes.
+    assert arts["node0/checkpoint.pt"]["sha256"] == arts["node1/checkpoint.pt"]["sha256"]
+
+    # Gating: node 0 published its address before any member got its assignment.
+    kinds = [(e["kind"], e["data"].get("node")) for e in job["events"]]
+    published = kinds.index(("RendezvousPublished", None))
+    assigned = [i for i, (k, _n) in enumerate(kinds) if k == "Assigned"]
+    assert len(assigned) == 2
+    assert published < min(assigned)
+    assert [kinds[i][1] for i in assigned] == [0, 1]
+    members = {m["node_rank"]: m for m in job["members"]}
+    assert (members[0]["ranks"], members[1]["ranks"]) == ([0, 1], [2, 3])
+    wait_no_processes(cluster, job_id)
+
+
+LOUD = """
+import os
+rank = int(os.environ["RANK"])
+for i in range(50_000):
+    print(f"rank={rank} line={i}")
+"""
+
+
+def test_every_line_of_every_rank_stored_once_in_order(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    api = cluster.client()
+    job_id = submit(api, write_job(tmp_path / "loud", "loud", LOUD))
+    job = wait_state(api, job_id, timeout=180)
+    assert job["state"] == "succeeded", job["root_cause"]
+    lines = [ln for ln in all_lines(api, job_id) if ln["origin"] == "rank"]
+    assert len(lines) == 4 * 50_000
+    for rank in range(4):
+        mine = [ln for ln in lines if ln["rank"] == rank]
+        assert [ln["text"] for ln in mine] == [f"rank={rank} line={i}" for i in range(50_000)]
+        assert [ln["seq"] for ln in mine] == list(range(1, 50_001))
+        assert {ln["stream"] for ln in mine} == {"stdout"}
+
+
+FAIL_RANK_3 = """
+import os, sys, time
+rank = int(os.environ["RANK"])
+print(f"rank {rank} up", flush=True)
+if rank == 3:
+    print("rank 3 is about to fail", file=sys.stderr, flush=True)
+    sys.exit(1)
+time.sleep(600)
+"""
+
+
+def test_fail_fast_names_rank_3_and_leaves_no_process(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    api = cluster.client()
+    job_id = submit(api, write_job(tmp_path / "fail", "fail", FAIL_RANK_3))
+    job = wait_state(api, job_id, timeout=90)
+    assert job["state"] == "failed"
+    cause = job["root_cause"]
+    assert "node1 (worker agent-1): global rank 3 exited with code 1" in cause, cause
+    assert "rank 3 is about to fail" in cause
+    wait_no_processes(cluster, job_id, timeout=30)
+    final = wait_state(api, job_id)
+    states = {m["node_rank"]: m["state"] for m in final["members"]}
+    assert states[1] == "failed"
+    # Workers come back for the next job.
+    cluster.wait_for_workers(2, timeout=30)
