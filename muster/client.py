@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import hmac
 import io
 import os
+import ssl
 import tarfile
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import httpx
 
@@ -42,6 +45,38 @@ def controller_url(url: str | None = None) -> str:
     return (url or os.environ.get("MUSTER_CONTROLLER") or DEFAULT_URL).rstrip("/")
 
 
+def split_token(token: str) -> tuple[str, str | None]:
+    """``SECRET.sha256:HEX`` (what `muster token` prints) -> (secret, fingerprint or None)."""
+    secret, _, pin = token.strip().partition(".")
+    return secret, pin.removeprefix("sha256:").lower() or None
+
+
+def pinned_ssl_context(url: str, fingerprint: str | None) -> ssl.SSLContext:
+    """Trust exactly the controller certificate whose sha256 the join string carries.
+
+    Without a fingerprint the system's CAs decide (a certificate the user gave the
+    controller from a real CA).
+    """
+    if fingerprint is None:
+        return ssl.create_default_context()
+    parsed = urlparse(url)
+    host, port = parsed.hostname or "127.0.0.1", parsed.port or 443
+    try:
+        pem = ssl.get_server_certificate((host, port), timeout=10)
+    except OSError as exc:
+        raise InfrastructureError(f"cannot reach the controller at {url}: {exc}") from exc
+    seen = hashlib.sha256(ssl.PEM_cert_to_DER_cert(pem)).hexdigest()
+    if not hmac.compare_digest(seen, fingerprint):
+        raise InfrastructureError(
+            f"the controller at {url} presented certificate sha256:{seen}, not the "
+            f"sha256:{fingerprint} in the token: refusing to talk to it (copy the token "
+            "again from `muster token`, or check the URL)"
+        )
+    context = ssl.create_default_context(cadata=pem)
+    context.check_hostname = False  # the pin names the exact certificate
+    return context
+
+
 class Client:
     """One controller's API. Errors come back as muster's own (SpecError for 422, ...)."""
 
@@ -50,8 +85,12 @@ class Client:
     ) -> None:
         self.url = controller_url(url)
         token = token or os.environ.get("MUSTER_TOKEN")
-        headers = {"Authorization": f"Bearer {token.split('.')[0]}"} if token else {}
-        self.http = httpx.Client(base_url=self.url, timeout=timeout, headers=headers)
+        secret, pin = split_token(token) if token else ("", None)
+        headers = {"Authorization": f"Bearer {secret}"} if secret else {}
+        verify: ssl.SSLContext | bool = True
+        if self.url.startswith("https://"):
+            verify = pinned_ssl_context(self.url, pin)
+        self.http = httpx.Client(base_url=self.url, timeout=timeout, headers=headers, verify=verify)
 
     def close(self) -> None:
         self.http.close()

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import signal
 import socket
+import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ from websockets.asyncio.client import ClientConnection, connect
 from muster import wire
 from muster.agent.capture import Line
 from muster.agent.launcher import MemberRun
+from muster.client import pinned_ssl_context
+from muster.errors import InfrastructureError
 from muster.spec import WorkerInventory
 from muster.wire import Frame, FrameRefused, Kind
 
@@ -48,6 +51,7 @@ class AgentConfig:
     work_dir: Path
     python: str
     inventory: Callable[[], WorkerInventory]
+    fingerprint: str | None = None  # sha256 of the controller's certificate, from the token
     persist: bool = False
     grace: float = 10.0
     backoff: tuple[float, float] = (5.0, 60.0)
@@ -87,6 +91,7 @@ class Agent:
         self.heartbeat_interval = 3.0
         self._send_lock = asyncio.Lock()
         self._acked = asyncio.Event()
+        self.tls: ssl.SSLContext | None = None
 
     # ---- dialing -------------------------------------------------------------------------
 
@@ -120,6 +125,7 @@ class Agent:
             except (
                 OSError,
                 websockets.exceptions.WebSocketException,
+                InfrastructureError,
                 FrameRefused,
                 TimeoutError,
             ) as exc:
@@ -137,9 +143,19 @@ class Agent:
         scheme = {"https": "wss", "http": "ws"}.get(url.scheme, url.scheme)
         return urlunparse((scheme, url.netloc, "/v1/agents/link", "", "", ""))
 
+    def _ssl(self) -> ssl.SSLContext | None:
+        if not self.config.controller.startswith("https://"):
+            return None
+        return pinned_ssl_context(self.config.controller, self.config.fingerprint)
+
     async def _session(self) -> None:
+        self.tls = await asyncio.to_thread(self._ssl)
         async with connect(
-            self._ws_url(), max_size=64 * 1024 * 1024, ping_interval=None, open_timeout=10
+            self._ws_url(),
+            max_size=64 * 1024 * 1024,
+            ping_interval=None,
+            open_timeout=10,
+            ssl=self.tls,
         ) as ws:
             first = await asyncio.wait_for(ws.recv(), 10)
             challenge = wire.decode_plain(_bytes(first), Kind.CHALLENGE)
@@ -261,6 +277,7 @@ class Agent:
             base_url=self.config.controller,
             timeout=60,
             headers={"Authorization": f"Ticket {self.ticket}"},
+            verify=self.tls if self.tls is not None else True,
         )
         member = MemberRun(
             assignment,

@@ -13,7 +13,7 @@ import typer
 from muster.agent.agent import Agent, AgentConfig
 from muster.agent.inventory import advertise_address_for, collect
 from muster.cli.main import app, reports_errors
-from muster.client import controller_url
+from muster.client import controller_url, split_token
 from muster.errors import UserError
 from muster.store import data_dir
 
@@ -46,10 +46,12 @@ def agent(
     worker_id = name or socket.gethostname()
     if not token.strip():
         raise UserError("--token is empty; copy it from `muster token` on the controller")
+    secret, pin = split_token(token)
     address = advertise_address or advertise_address_for(url)
     config = AgentConfig(
         controller=url,
-        token=token.split(".")[0],
+        token=secret,
+        fingerprint=pin,
         worker_id=worker_id,
         work_dir=work_dir or data_dir() / "agents" / worker_id,
         python=python,

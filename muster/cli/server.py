@@ -10,6 +10,7 @@ import uvicorn
 
 from muster.cli.main import app, err, reports_errors
 from muster.controller.app import ControllerConfig, create_app, is_loopback
+from muster.controller.tls import controller_certificate, fingerprint, write_pem_files
 from muster.errors import UserError
 from muster.store import data_dir, open_store
 
@@ -23,22 +24,51 @@ def server(
     artifacts: Path = typer.Option(None, help="where bundles and outputs go [data dir]"),
     heartbeat_timeout: float = typer.Option(15.0, help="seconds of agent silence = lost"),
     heartbeat_interval: float = typer.Option(3.0, help="seconds between agent heartbeats"),
+    tls: bool = typer.Option(
+        None, "--tls/--no-tls", help="serve HTTPS/WSS [default: on off loopback]"
+    ),
+    tls_cert: Path = typer.Option(None, help="PEM certificate [made at first start]"),
+    tls_key: Path = typer.Option(None, help="PEM key for --tls-cert"),
 ) -> None:
     """Run the controller: HTTP API, agents' control links and /metrics on one port."""
     if heartbeat_timeout <= heartbeat_interval:
         raise UserError("--heartbeat-timeout must exceed --heartbeat-interval")
     store = open_store(db)
+    loopback = is_loopback(host)
+    if tls is None:
+        tls = not loopback
+    if not tls and not loopback:
+        raise UserError("--no-tls is only allowed on loopback; off loopback muster serves TLS")
+    cert_pem, key_pem = controller_certificate(store, tls_cert, tls_key)
+    cert_file = key_file = None
+    if tls:
+        cert_path, key_path = write_pem_files(data_dir() / "tls", cert_pem, key_pem)
+        cert_file, key_file = str(cert_path), str(key_path)
     config = ControllerConfig(
         store=store,
         artifacts=artifacts or data_dir() / "artifacts",
         host=host,
         heartbeat_interval=heartbeat_interval,
         heartbeat_timeout=heartbeat_timeout,
+        tls=tls,
     )
     application = create_app(config)
     where = store.db.engine.url.render_as_string(hide_password=True)
-    err.print(f"muster controller on http://{host}:{port} (database {where})", markup=False)
-    if not is_loopback(host):
-        err.print("off loopback: every API call and agent needs the token (`muster token`)")
+    scheme = "https" if tls else "http"
+    err.print(f"muster controller on {scheme}://{host}:{port} (database {where})", markup=False)
+    if tls:
+        err.print(
+            f"TLS certificate sha256:{fingerprint(cert_pem)}; every API call and agent "
+            "needs the join string `muster token` prints",
+            markup=False,
+        )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    uvicorn.run(application, host=host, port=port, log_level="warning", ws_max_size=64 << 20)
+    uvicorn.run(
+        application,
+        host=host,
+        port=port,
+        log_level="warning",
+        ws_max_size=64 << 20,
+        ssl_certfile=cert_file,
+        ssl_keyfile=key_file,
+    )

@@ -34,6 +34,7 @@ class ControllerConfig:
     host: str = "127.0.0.1"
     heartbeat_interval: float = 3.0
     heartbeat_timeout: float = 15.0
+    tls: bool = False
 
 
 def join_token(store: Store) -> str:
@@ -56,7 +57,7 @@ def create_app(config: ControllerConfig) -> FastAPI:
     metrics = Metrics()
     controller = Controller(store, metrics, config.heartbeat_timeout)
     token = join_token(store)
-    needs_auth = not is_loopback(config.host)
+    needs_auth = config.tls or not is_loopback(config.host)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

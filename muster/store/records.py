@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from sqlalchemy import and_, not_, or_, select, tuple_
+from sqlalchemy.exc import IntegrityError
 
 from muster.store.base import LogLineIn, Repository, add_event, utcnow
 from muster.store.models import (
@@ -184,13 +185,31 @@ class RecordRepository(Repository):
             return list(s.scalars(query.order_by(Artifact.node_rank, Artifact.path)))
 
     def setting(self, key: str, default: Callable[[], str]) -> str:
-        """The stored value of ``key``, storing ``default()`` first when there is none."""
+        """The stored value of ``key``, storing ``default()`` first when there is none.
+
+        Two processes racing to create it agree on whichever stored it first.
+        """
+        try:
+            with self.db.transaction() as s:
+                row = s.get(Setting, key)
+                if row is None:
+                    row = Setting(key=key, value=default())
+                    s.add(row)
+                return row.value
+        except IntegrityError:
+            value = self.get_setting(key)
+            if value is None:
+                raise
+            return value
+
+    def put_setting(self, key: str, value: str) -> None:
+        with self.db.transaction() as s:
+            s.merge(Setting(key=key, value=value))
+
+    def get_setting(self, key: str) -> str | None:
         with self.db.transaction() as s:
             row = s.get(Setting, key)
-            if row is None:
-                row = Setting(key=key, value=default())
-                s.add(row)
-            return row.value
+            return None if row is None else row.value
 
     def add_probe_result(self, result: ProbeResult) -> None:
         with self.db.transaction() as s:

@@ -14,6 +14,7 @@ from websockets.sync.client import connect
 
 from muster import wire
 from muster.cli.local import LocalCluster
+from muster.client import split_token
 from muster.wire import Kind
 from tests.e2e.helpers import (
     all_lines,
@@ -76,7 +77,7 @@ def metric(cluster: LocalCluster, name: str, reason: str) -> float:
 def test_hostile_frames_are_refused_and_counted(tmp_path: Path) -> None:
     with LocalCluster(agents=2) as cluster:
         url = cluster.url.replace("http", "ws") + "/v1/agents/link"
-        token = cluster.token()
+        token, _pin = split_token(cluster.token())
 
         # A wrong token: the link is closed, nothing is registered.
         with connect(url) as ws:
@@ -161,3 +162,25 @@ def test_controller_restart_keeps_history_and_persistent_agents_return(tmp_path:
         again = submit(api, write_job(tmp_path / "k", "after", "print('again')\n"))
         assert wait_state(api, again)["state"] == "succeeded"
         wait_no_processes(cluster, again)
+
+
+def test_tls_with_a_pinned_certificate(tmp_path: Path) -> None:
+    with LocalCluster(agents=2, tls=True) as cluster:
+        assert cluster.url.startswith("https://")
+        join = cluster.token()
+        secret, _, pin = join.partition(".")
+        assert pin.startswith("sha256:")
+        assert len(pin) == len("sha256:") + 64
+
+        # The API wants the token over TLS; agents (already connected) pinned the cert.
+        anonymous = httpx.get(f"{cluster.url}/v1/jobs", verify=False, timeout=10)
+        assert anonymous.status_code == 401
+        api = cluster.client()
+        job_id = submit(api, write_job(tmp_path / "j", "tls", "print('over tls')\n"))
+        assert wait_state(api, job_id)["state"] == "succeeded"
+
+        # An agent given another fingerprint refuses to talk to this controller.
+        wrong = f"{secret}.sha256:{'0' * 64}"
+        agent = cluster.start_agent("agent-x", ["--token", wrong])
+        assert agent.wait(timeout=60) == 1
+        assert "refusing to talk to it" in cluster.log("agent-x").read_text()
