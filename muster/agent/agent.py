@@ -14,6 +14,7 @@ import signal
 import socket
 import ssl
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,23 +62,27 @@ class AgentConfig:
 class _Shipper:
     """Batches captured lines per job; keeps each batch until the controller acks it."""
 
-    pending: dict[str, list[Line]] = field(default_factory=dict)
+    pending: dict[str, deque[Line]] = field(default_factory=dict)
     unacked: dict[int, tuple[str, list[Line]]] = field(default_factory=dict)
     next_batch: int = 1
 
     def add(self, job: str, line: Line) -> None:
-        self.pending.setdefault(job, []).append(line)
+        queue = self.pending.get(job)
+        if queue is None:
+            queue = self.pending[job] = deque()
+        queue.append(line)
 
-    def take(self) -> list[tuple[int, str, list[Line]]]:
-        out = []
+    def next(self) -> tuple[int, str, list[Line]] | None:
+        """The next batch to send, now counted as unacked; None when nothing waits."""
         for job, lines in self.pending.items():
-            for start in range(0, len(lines), BATCH_LINES):
-                chunk = lines[start : start + BATCH_LINES]
-                self.unacked[self.next_batch] = (job, chunk)
-                out.append((self.next_batch, job, chunk))
+            if lines:
+                chunk = [lines.popleft() for _ in range(min(BATCH_LINES, len(lines)))]
+                batch = self.next_batch
                 self.next_batch += 1
+                self.unacked[batch] = (job, chunk)
+                return batch, job, chunk
         self.pending = {}
-        return out
+        return None
 
 
 class Agent:
@@ -230,10 +235,16 @@ class Agent:
     async def _flush_logs(self) -> None:
         while True:
             await asyncio.sleep(FLUSH_S)
-            for batch, job, lines in self.shipper.take():
-                while len(self.shipper.unacked) > MAX_UNACKED:
+            while True:
+                # At most MAX_UNACKED batches in flight: the ranks' lines wait here (in
+                # memory) rather than anything being dropped.
+                while len(self.shipper.unacked) >= MAX_UNACKED:
                     self._acked.clear()
                     await self._acked.wait()
+                taken = self.shipper.next()
+                if taken is None:
+                    break
+                batch, job, lines = taken
                 await self.send(
                     Kind.LOGS, {"job": job, "batch": batch, "lines": [list(x) for x in lines]}
                 )

@@ -31,6 +31,7 @@ log = logging.getLogger("muster.agent")
 
 Send = Callable[[Kind, dict[str, Any]], Awaitable[None]]
 POLL_S = 0.05
+REAPER_DELAY_S = 5.0
 
 
 class MemberRun:
@@ -116,17 +117,9 @@ class MemberRun:
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             start_new_session=True,
+            preexec_fn=_term_with_parent,
         )
-        reaper = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "muster.agent.reaper",
-            str(os.getpid()),
-            str(self.proc.pid),
-            str(self.grace),
-            stdin=asyncio.subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        reaper = asyncio.create_task(self._reaper(self.proc.pid))
         await self.send(Kind.MEMBER_STARTED, {**self.ids(), "pid": self.proc.pid})
         procs = self.spec.gang.procs_per_worker
         tailer = RankTailer(capture_dir, self.node * procs, procs, self.emit)
@@ -141,11 +134,26 @@ class MemberRun:
             tailer.poll()
             await asyncio.wait([wait], timeout=POLL_S)
         await asyncio.gather(*pumps, return_exceptions=True)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(reaper.wait(), 5)
+        reaper.cancel()
         tailer.poll(final=True)
         await self._report_exit(self.proc.returncode or 0, tailer)
         await self._upload(out_dir)
+
+    async def _reaper(self, pid: int) -> None:
+        """Start the watchdog a moment after torchrun, so the two do not compete for the CPU
+        while torchrun starts; until then PDEATHSIG covers an agent that dies."""
+        await asyncio.sleep(REAPER_DELAY_S)
+        watchdog = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "muster.agent.reaper",
+            str(os.getpid()),
+            str(pid),
+            str(self.grace),
+            stdin=asyncio.subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        await watchdog.wait()
 
     async def _report_exit(self, code: int, tailer: RankTailer) -> None:
         failed_rank, failed_exit, sig = root_cause(list(self.launcher_lines))

@@ -1,0 +1,78 @@
+"""The agent's capture seams: rank-file tailing, torchrun's root cause, log batching."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from muster.agent.agent import BATCH_LINES, _Shipper
+from muster.agent.capture import Line, RankTailer, root_cause
+
+
+def test_shipper_sends_every_line_once_in_order_whatever_the_backlog() -> None:
+    shipper = _Shipper()
+    total = 25 * BATCH_LINES + 17
+    for i in range(total):
+        shipper.add("job", ("rank", 0, i + 1, 0.0, "stdout", f"line {i}"))
+    got: list[Line] = []
+    while (taken := shipper.next()) is not None:
+        batch, job, lines = taken
+        assert job == "job"
+        assert batch in shipper.unacked, "a batch counts as in flight only once it is taken"
+        got += lines
+        shipper.unacked.pop(batch)  # the controller acked it
+    assert [ln[2] for ln in got] == list(range(1, total + 1))
+
+
+def test_tailer_numbers_lines_per_rank_and_keeps_partial_lines(tmp_path: Path) -> None:
+    base = tmp_path / "run_abc" / "attempt_0"
+    for local in (0, 1):
+        (base / str(local)).mkdir(parents=True)
+    out0, err1 = base / "0" / "stdout.log", base / "1" / "stderr.log"
+    lines: list[Line] = []
+    tailer = RankTailer(tmp_path, first_rank=2, procs=2, emit=lines.append)
+    out0.write_text("a\nb\npart")
+    err1.write_text("oops\n")
+    tailer.poll()
+    assert [(ln[1], ln[2], ln[4], ln[5]) for ln in lines] == [
+        (2, 1, "stdout", "a"),
+        (2, 2, "stdout", "b"),
+        (3, 1, "stderr", "oops"),
+    ]
+    with out0.open("a") as fh:
+        fh.write("ial\nlast-without-newline")
+    tailer.poll()
+    assert lines[-1][5] == "partial"
+    tailer.poll(final=True)
+    assert (lines[-1][1], lines[-1][2], lines[-1][5]) == (2, 4, "last-without-newline")
+
+
+TORCHRUN_FAILURE = """
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+train.py FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-11-29_09:54:40
+  host      : node-b
+  rank      : 2 (local_rank: 0)
+  exitcode  : -15 (pid: 7357)  (SIGTERM)
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-29_09:54:40
+  host      : node-b
+  rank      : 3 (local_rank: 1)
+  exitcode  : 1 (pid: 7358)
+  error_file: <N/A>
+============================================================
+"""
+
+
+def test_root_cause_is_read_from_torchruns_summary() -> None:
+    assert root_cause(TORCHRUN_FAILURE.splitlines()) == (3, 1, None)
+    killed = TORCHRUN_FAILURE.replace(
+        "exitcode  : 1 (pid: 7358)", "exitcode  : -9 (pid: 7358)  (SIGKILL)"
+    )
+    assert root_cause(killed.splitlines()) == (3, -9, "SIGKILL")
+    assert root_cause(["no summary here"]) == (None, None, None)
