@@ -34,12 +34,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import secrets
 import struct
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
+
+import orjson
 
 from muster.errors import MusterError
 
@@ -116,7 +117,7 @@ def proofs_match(a: str, b: str) -> bool:
 
 def encode_plain(kind: Kind, body: dict[str, Any]) -> bytes:
     """A handshake frame (CHALLENGE, AUTH): seq 0, no MAC."""
-    payload = json.dumps(body, separators=(",", ":")).encode()
+    payload = orjson.dumps(body)
     return HEADER.pack(VERSION, kind, 0, len(payload)) + payload + ZERO_MAC
 
 
@@ -141,8 +142,8 @@ def _parse(data: bytes) -> tuple[Kind, int, dict[str, Any]]:
     except ValueError:
         raise FrameRefused("malformed", f"unknown kind {kind}") from None
     try:
-        body = json.loads(data[HEADER.size : HEADER.size + size])
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        body = orjson.loads(data[HEADER.size : HEADER.size + size])
+    except orjson.JSONDecodeError as exc:
         raise FrameRefused("malformed", f"payload is not JSON: {exc}") from None
     if not isinstance(body, dict):
         raise FrameRefused("malformed", "payload is not a JSON object")
@@ -160,7 +161,7 @@ class LinkCodec:
         self.last_seq = 0
 
     def encode(self, kind: Kind, body: dict[str, Any]) -> bytes:
-        payload = json.dumps(body, separators=(",", ":")).encode()
+        payload = orjson.dumps(body)
         head = HEADER.pack(VERSION, kind, self._next_seq, len(payload))
         self._next_seq += 1
         return head + payload + _hmac(self._key, self._send_dir, head, payload)

@@ -66,11 +66,11 @@ class _Shipper:
     unacked: dict[int, tuple[str, list[Line]]] = field(default_factory=dict)
     next_batch: int = 1
 
-    def add(self, job: str, line: Line) -> None:
+    def add(self, job: str, lines: list[Line]) -> None:
         queue = self.pending.get(job)
         if queue is None:
             queue = self.pending[job] = deque()
-        queue.append(line)
+        queue.extend(lines)
 
     def next(self) -> tuple[int, str, list[Line]] | None:
         """The next batch to send, now counted as unacked; None when nothing waits."""
@@ -205,9 +205,7 @@ class Agent:
             )
             log.info("connected to %s as %s", self.config.controller, self.config.worker_id)
             for batch, (job, lines) in sorted(self.shipper.unacked.items()):
-                await self.send(
-                    Kind.LOGS, {"job": job, "batch": batch, "lines": [list(x) for x in lines]}
-                )
+                await self.send(Kind.LOGS, {"job": job, "batch": batch, "lines": lines})
             tasks = [
                 asyncio.create_task(self._heartbeats()),
                 asyncio.create_task(self._flush_logs()),
@@ -245,9 +243,7 @@ class Agent:
                 if taken is None:
                     break
                 batch, job, lines = taken
-                await self.send(
-                    Kind.LOGS, {"job": job, "batch": batch, "lines": [list(x) for x in lines]}
-                )
+                await self.send(Kind.LOGS, {"job": job, "batch": batch, "lines": lines})
 
     # ---- orders from the controller ------------------------------------------------------
 
@@ -296,7 +292,7 @@ class Agent:
             python=self.config.python,
             http=http,
             send=self.send,
-            emit=lambda line: self.shipper.add(job, line),
+            emit=lambda lines: self.shipper.add(job, lines),
             grace=self.config.grace,
         )
         self.members[job] = member

@@ -36,7 +36,7 @@ class RankTailer:
     capture_dir: Path
     first_rank: int
     procs: int
-    emit: Callable[[Line], None]
+    emit: Callable[[list[Line]], None]
     tail_size: int = 40
     _streams: dict[Path, _Stream] = field(default_factory=dict)
     _seq: dict[int, int] = field(default_factory=dict)
@@ -64,24 +64,26 @@ class RankTailer:
                 continue
             st.offset += len(data)
             buf = st.partial + data
-            lines = buf.split(b"\n")
-            st.partial = lines.pop()
-            if final and st.partial:
-                lines.append(st.partial)
-                st.partial = b""
-            now = time.time()
-            for raw in lines:
-                for start in range(0, max(len(raw), 1), MAX_LINE):
-                    self._line(st, raw[start : start + MAX_LINE], now)
-                    count += 1
+            cut = len(buf) if final else buf.rfind(b"\n") + 1
+            st.partial = buf[cut:]
+            if cut:
+                count += self._lines(st, buf[:cut], time.time())
         return count
 
-    def _line(self, st: _Stream, raw: bytes, now: float) -> None:
-        seq = self._seq.get(st.rank, 0) + 1
-        self._seq[st.rank] = seq
-        text = raw.decode("utf-8", errors="replace").rstrip("\r")
-        self.tails.setdefault(st.rank, deque(maxlen=self.tail_size)).append(text)
-        self.emit(("rank", st.rank, seq, now, st.stream, text))
+    def _lines(self, st: _Stream, chunk: bytes, now: float) -> int:
+        texts = chunk.decode("utf-8", errors="replace").split("\n")
+        if chunk.endswith(b"\n"):
+            texts.pop()
+        if any(len(t) > MAX_LINE for t in texts):
+            texts = [t[i : i + MAX_LINE] for t in texts for i in range(0, max(len(t), 1), MAX_LINE)]
+        first = self._seq.get(st.rank, 0) + 1
+        self._seq[st.rank] = first + len(texts) - 1
+        rank, stream = st.rank, st.stream
+        self.emit(
+            [("rank", rank, first + i, now, stream, t.rstrip("\r")) for i, t in enumerate(texts)]
+        )
+        self.tails.setdefault(rank, deque(maxlen=self.tail_size)).extend(texts[-self.tail_size :])
+        return len(texts)
 
 
 _ROOT_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)")

@@ -45,7 +45,7 @@ class MemberRun:
         python: str,
         http: httpx.AsyncClient,
         send: Send,
-        emit: Callable[[Line], None],
+        emit: Callable[[list[Line]], None],
         grace: float,
     ) -> None:
         self.job = str(assignment["job"])
@@ -190,7 +190,7 @@ class MemberRun:
 
         self._launcher_seq += 1
         self.launcher_lines.append(text)
-        self.emit(("node", self.node, self._launcher_seq, time.time(), stream, text))
+        self.emit([("node", self.node, self._launcher_seq, time.time(), stream, text)])
 
     async def _fetch_bundle(self, run_dir: Path) -> None:
         response = await self.http.get(f"/v1/bundles/{self.bundle}")

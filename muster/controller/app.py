@@ -61,12 +61,16 @@ def create_app(config: ControllerConfig) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        task = asyncio.create_task(controller.supervise())
+        tasks = [
+            asyncio.create_task(controller.supervise()),
+            asyncio.create_task(controller.ingest()),
+        ]
         controller.request_pass()
         try:
             yield
         finally:
-            task.cancel()
+            for task in tasks:
+                task.cancel()
             for link in list(controller.links.values()):
                 await link.close(1001)
 

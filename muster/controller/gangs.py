@@ -29,7 +29,7 @@ from muster.errors import BadRequest, MusterError, PlacementConflict
 from muster.plan import GangAddressing, gang_addressing
 from muster.scheduler import Placement, PoolIndex, QueuedJob, schedule
 from muster.spec import JobSpec, JobState, MemberState, PathClass, WorkerInventory
-from muster.store import LogLineIn, Store
+from muster.store import Store
 from muster.wire import Frame, Kind
 
 log = logging.getLogger("muster.controller")
@@ -69,6 +69,9 @@ class Controller:
         self.runs: dict[str, GangRun] = {}
         self.lock = asyncio.Lock()
         self._wake = asyncio.Event()
+        # LOGS frames wait here for the ingest task; bounded, so a flood slows the agents'
+        # links (and so their acks) instead of growing without end.
+        self._logs: asyncio.Queue[tuple[Link, str, Any, Any]] = asyncio.Queue(maxsize=256)
 
     async def db(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run a store call off the event loop."""
@@ -190,7 +193,7 @@ class Controller:
         if kind is Kind.HEARTBEAT:
             await link.send(Kind.HEARTBEAT_ACK, {"stop": self._stops_for(link.worker_id)})
         elif kind is Kind.LOGS:
-            await self._ingest(link, body)
+            await self._logs.put((link, str(body.get("job")), body.get("lines"), body.get("batch")))
         elif kind is Kind.INVENTORY:
             await self._inventory(link, body)
         else:
@@ -223,15 +226,32 @@ class Controller:
             and node not in run.exited
         ]
 
-    async def _ingest(self, link: Link, body: dict[str, Any]) -> None:
-        job_id = str(body["job"])
-        lines = [
-            LogLineIn(str(o), int(r), int(s), float(t), str(st), str(x))
-            for o, r, s, t, st, x in body["lines"]
-        ]
-        stored = await self.db(self.store.append_logs, job_id, lines)
-        self.metrics.log_lines.inc(stored)
-        await link.send(Kind.LOGS_ACK, {"job": job_id, "batch": body.get("batch")})
+    async def ingest(self, most: int = 40_000) -> None:
+        """Store queued LOGS frames: whatever has queued up (up to ``most`` lines) goes in
+        one transaction, then each frame is acked. Runs for the controller's life."""
+        while True:
+            frames = [await self._logs.get()]
+            count = len(frames[0][2] or [])
+            while count < most and not self._logs.empty():
+                frames.append(self._logs.get_nowait())
+                count += len(frames[-1][2] or [])
+            by_job: dict[str, list[Any]] = {}
+            good = []
+            for link, job, lines, batch in frames:
+                if not isinstance(lines, list):
+                    self.metrics.frames_refused.labels("malformed").inc()
+                    continue
+                by_job.setdefault(job, []).extend(lines)
+                good.append((link, job, batch))
+            try:
+                stored = await self.db(self.store.append_logs_by_job, by_job)
+            except (TypeError, ValueError) as exc:
+                self.metrics.frames_refused.labels("malformed").inc()
+                log.warning("LOGS frames with bad lines: %s", exc)
+                continue
+            self.metrics.log_lines.inc(stored)
+            for link, job, batch in good:
+                await link.send(Kind.LOGS_ACK, {"job": job, "batch": batch})
 
     async def _inventory(self, link: Link, body: dict[str, Any]) -> None:
         inventory = WorkerInventory.model_validate(body["inventory"], strict=False)

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -21,9 +20,8 @@ def utcnow() -> datetime:
     return datetime.now(timezone.utc)
 
 
-@dataclass(frozen=True)
-class LogLineIn:
-    """One captured line as an agent sends it."""
+class LogLineIn(NamedTuple):
+    """One captured line as an agent sends it (a plain 6-sequence in this order will do)."""
 
     origin: str  # "rank" (a global rank's stdout/stderr) or "node" (torchrun's own lines)
     rank: int  # the global rank, or the node rank for origin "node"

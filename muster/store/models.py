@@ -149,6 +149,8 @@ class LogLine(Base):
     """
 
     __tablename__ = "log_lines"
+    # One B-tree in key order on SQLite instead of a rowid table plus a key index.
+    __table_args__ = {"sqlite_with_rowid": False}  # noqa: RUF012 (SQLAlchemy reads it)
 
     job_id: Mapped[str] = mapped_column(String(80), primary_key=True)
     origin: Mapped[str] = mapped_column(String(8), primary_key=True)

@@ -8,7 +8,7 @@ from typing import Any
 from sqlalchemy import and_, not_, or_, select, tuple_
 from sqlalchemy.exc import IntegrityError
 
-from muster.store.base import LogLineIn, Repository, add_event, utcnow
+from muster.store.base import Repository, add_event, utcnow
 from muster.store.models import (
     Artifact,
     Condition,
@@ -73,47 +73,45 @@ class RecordRepository(Repository):
 
     # ---- logs ----------------------------------------------------------------------------
 
-    def append_logs(self, job_id: str, lines: Sequence[LogLineIn]) -> int:
-        """Store a batch of lines in one transaction; returns how many were new.
+    def append_logs(self, job_id: str, lines: Sequence[Sequence[Any]]) -> int:
+        """Store a batch of one job's lines in one transaction; returns how many were new.
 
-        A line already stored (same job, origin, rank, seq) is skipped, so an agent may
-        resend a batch it is unsure of. This is the hot path of log ingest, so it talks to
-        the driver directly: executemany on SQLite, one unnest() statement on PostgreSQL.
+        Each line is a LogLineIn or any sequence in its order (origin, rank, seq, time,
+        stream, text). A line already stored (same job, origin, rank, seq) is skipped, so an
+        agent may resend a batch it is unsure of. Raises TypeError or ValueError on a line
+        of the wrong shape, storing nothing.
         """
-        if not lines:
+        return self.append_logs_by_job({job_id: lines})
+
+    def append_logs_by_job(self, lines_by_job: dict[str, Sequence[Sequence[Any]]]) -> int:
+        """Several jobs' lines in one transaction. This is the hot path of log ingest, so
+        it talks to the driver directly: executemany on SQLite, unnest() on PostgreSQL."""
+        batches = [
+            (
+                job_id,
+                [
+                    (job_id, str(o), int(r), int(q), int(float(t) * 1e6), str(st), str(x))
+                    for o, r, q, t, st, x in lines
+                ],
+            )
+            for job_id, lines in lines_by_job.items()
+            if lines
+        ]
+        if not batches:
             return 0
+        stored = 0
         with self.db.transaction() as s:
             conn = s.connection()
-            if self.db.dialect == "postgresql":
-                result = conn.exec_driver_sql(
-                    _PG_INSERT_LINES,
-                    (
-                        job_id,
-                        [ln.origin for ln in lines],
-                        [ln.rank for ln in lines],
-                        [ln.seq for ln in lines],
-                        [int(ln.time * 1e6) for ln in lines],
-                        [ln.stream for ln in lines],
-                        [ln.text for ln in lines],
-                    ),
-                )
-            else:
-                result = conn.exec_driver_sql(
-                    _SQLITE_INSERT_LINES,
-                    [
-                        (
-                            job_id,
-                            ln.origin,
-                            ln.rank,
-                            ln.seq,
-                            int(ln.time * 1e6),
-                            ln.stream,
-                            ln.text,
-                        )
-                        for ln in lines
-                    ],
-                )
-            return max(result.rowcount, 0)
+            for job_id, rows in batches:
+                if self.db.dialect == "postgresql":
+                    columns = list(zip(*rows, strict=True))
+                    result = conn.exec_driver_sql(
+                        _PG_INSERT_LINES, (job_id, *(list(c) for c in columns[1:]))
+                    )
+                else:
+                    result = conn.exec_driver_sql(_SQLITE_INSERT_LINES, rows)
+                stored += max(result.rowcount, 0)
+        return stored
 
     def logs(
         self,

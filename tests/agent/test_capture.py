@@ -11,8 +11,7 @@ from muster.agent.capture import Line, RankTailer, root_cause
 def test_shipper_sends_every_line_once_in_order_whatever_the_backlog() -> None:
     shipper = _Shipper()
     total = 25 * BATCH_LINES + 17
-    for i in range(total):
-        shipper.add("job", ("rank", 0, i + 1, 0.0, "stdout", f"line {i}"))
+    shipper.add("job", [("rank", 0, i + 1, 0.0, "stdout", f"line {i}") for i in range(total)])
     got: list[Line] = []
     while (taken := shipper.next()) is not None:
         batch, job, lines = taken
@@ -29,7 +28,7 @@ def test_tailer_numbers_lines_per_rank_and_keeps_partial_lines(tmp_path: Path) -
         (base / str(local)).mkdir(parents=True)
     out0, err1 = base / "0" / "stdout.log", base / "1" / "stderr.log"
     lines: list[Line] = []
-    tailer = RankTailer(tmp_path, first_rank=2, procs=2, emit=lines.append)
+    tailer = RankTailer(tmp_path, first_rank=2, procs=2, emit=lines.extend)
     out0.write_text("a\nb\npart")
     err1.write_text("oops\n")
     tailer.poll()

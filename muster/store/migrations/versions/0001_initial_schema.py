@@ -73,6 +73,7 @@ def upgrade() -> None:
         sa.Column("stream", sa.String(length=8), nullable=False),
         sa.Column("text", sa.Text(), nullable=False),
         sa.PrimaryKeyConstraint("job_id", "origin", "rank", "seq", name=op.f("pk_log_lines")),
+        sqlite_with_rowid=False,
     )
     op.create_table(
         "artifacts",
