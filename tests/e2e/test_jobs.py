@@ -106,3 +106,30 @@ def test_fail_fast_names_rank_3_and_leaves_no_process(
     assert states[1] == "failed"
     # Workers come back for the next job.
     cluster.wait_for_workers(2, timeout=30)
+
+
+SLEEPER = """
+import os, time
+print(f"rank {os.environ['RANK']} sleeping", flush=True)
+time.sleep(600)
+"""
+
+
+def test_timeout_fails_the_job_and_stops_every_rank(cluster: LocalCluster, tmp_path: Path) -> None:
+    api = cluster.client()
+    job_id = submit(api, write_job(tmp_path / "slow", "slow", SLEEPER, timeout=4))
+    job = wait_state(api, job_id, timeout=60)
+    assert job["state"] == "failed"
+    assert "timed out after 4s" in job["root_cause"]
+    wait_no_processes(cluster, job_id)
+
+
+def test_cancel_stops_a_running_job(cluster: LocalCluster, tmp_path: Path) -> None:
+    api = cluster.client()
+    job_id = submit(api, write_job(tmp_path / "cancel", "cancel", SLEEPER))
+    wait_state(api, job_id, {"running"}, timeout=60)
+    assert api.cancel(job_id)["state"] == "cancelled"
+    wait_no_processes(cluster, job_id)
+    members = wait_state(api, job_id)["members"]
+    assert all(m["state"] in ("cancelled", "failed") for m in members)
+    cluster.wait_for_workers(2, timeout=30)
