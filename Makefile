@@ -36,6 +36,8 @@ demo: setup
 bench: setup
 	$(BIN)/python bench/scheduler.py
 	$(BIN)/python bench/store.py
+	$(BIN)/python bench/launch.py
+	$(BIN)/python bench/logs.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis *.egg-info

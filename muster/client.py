@@ -99,6 +99,12 @@ class Client:
         try:
             response = self.http.request(method, path, **kwargs)
         except httpx.TransportError as exc:
+            if "CERTIFICATE_VERIFY_FAILED" in str(exc):
+                raise UserError(
+                    f"the controller at {self.url} has a certificate this machine does not "
+                    "trust: pass the whole join string from `muster token` as --token (or "
+                    "MUSTER_TOKEN); its sha256 part pins the certificate"
+                ) from exc
             raise InfrastructureError(
                 f"cannot reach the controller at {self.url} ({exc}); start it with "
                 "`muster server` or point --controller / MUSTER_CONTROLLER at it"
