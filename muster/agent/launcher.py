@@ -22,6 +22,7 @@ import httpx
 import psutil
 
 from muster.agent.capture import Line, RankTailer, list_outputs, root_cause
+from muster.agent.reaper import terminate
 from muster.errors import InfrastructureError
 from muster.plan import GangAddressing, launch_env, torchrun_argv
 from muster.spec import JobSpec, PathClass
@@ -253,14 +254,7 @@ def kill_tree(pid: int, grace: float) -> None:
         return
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGTERM)
-    for proc in family:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            proc.send_signal(signal.SIGTERM)
-    _gone, alive = psutil.wait_procs(family, timeout=grace)
-    for proc in alive:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            proc.kill()
-    psutil.wait_procs(alive, timeout=grace)
+    terminate(family, grace)
 
 
 def _sha256(path: Path) -> str:

@@ -19,6 +19,18 @@ import time
 import psutil
 
 
+def terminate(procs: list[psutil.Process], grace: float) -> None:
+    """SIGTERM every process; SIGKILL those still alive after ``grace`` seconds."""
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.send_signal(signal.SIGTERM)
+    _gone, alive = psutil.wait_procs(procs, timeout=grace)
+    for proc in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    psutil.wait_procs(alive, timeout=grace)
+
+
 def watch(agent_pid: int, member_pid: int, grace: float, poll: float = 0.5) -> None:
     try:
         agent = psutil.Process(agent_pid)
@@ -31,14 +43,7 @@ def watch(agent_pid: int, member_pid: int, grace: float, poll: float = 0.5) -> N
             for child in member.children(recursive=True):
                 family.setdefault(child.pid, child)
         if not agent.is_running() or agent.status() == psutil.STATUS_ZOMBIE:
-            alive = [p for p in family.values() if p.is_running()]
-            for proc in alive:
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    proc.send_signal(signal.SIGTERM)
-            _gone, alive = psutil.wait_procs(alive, timeout=grace)
-            for proc in alive:
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    proc.kill()
+            terminate([p for p in family.values() if p.is_running()], grace)
             return
         time.sleep(poll)
 

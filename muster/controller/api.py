@@ -12,7 +12,7 @@ from fastapi.responses import FileResponse
 
 from muster.controller.files import FileStore
 from muster.controller.gangs import Controller
-from muster.errors import BadRequest, NotFound, SpecError
+from muster.errors import BadRequest, FieldError, NotFound, SpecError
 from muster.plan import rank_plan
 from muster.spec import JobState, parse_job
 from muster.store import Store
@@ -63,7 +63,6 @@ def job_summary(job: Job) -> dict[str, Any]:
         "submitted_at": job.submitted_at.isoformat(),
         "started_at": job.started_at.isoformat() if job.started_at else None,
         "finished_at": job.finished_at.isoformat() if job.finished_at else None,
-        "world_size": job.spec.get("distributed", {}) and None,
     }
 
 
@@ -75,17 +74,11 @@ async def submit(request: Request) -> dict[str, Any]:
     spec = parse_job(body["spec"], source="spec")
     bundle = body.get("bundle_sha256")
     if bundle is not None and not files(request).has_bundle(str(bundle)):
-        raise SpecError([_field("bundle_sha256", f"no bundle {bundle}; upload it first")])
+        raise SpecError([FieldError("bundle_sha256", f"no bundle {bundle}; upload it first")])
     ctl = controller(request)
     job = await ctl.db(store(request).submit_job, spec, bundle_sha256=bundle)
     ctl.request_pass()
     return job_summary(job)
-
-
-def _field(name: str, message: str) -> Any:
-    from muster.errors import FieldError
-
-    return FieldError(name, message)
 
 
 @router.get("/jobs")

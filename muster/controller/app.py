@@ -18,7 +18,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from muster.controller.api import router
 from muster.controller.files import FileStore
 from muster.controller.gangs import Controller
-from muster.controller.links import CLOSE_REFUSED, handshake, serve_frames
+from muster.controller.links import (
+    CLOSE_REFUSED,
+    CLOSE_SERVER_EXITING,
+    handshake,
+    serve_frames,
+)
 from muster.controller.metrics import Metrics
 from muster.errors import MusterError, SpecError
 from muster.store import Store
@@ -54,6 +59,9 @@ def is_loopback(host: str) -> bool:
 def create_app(config: ControllerConfig) -> FastAPI:
     store = config.store
     store.mark_all_offline()
+    # Nothing tracks a gang across a controller restart: jobs caught mid-run fail now, and
+    # their agents are told to stop them when they dial in again.
+    store.fail_active_jobs("the controller restarted while the job was running; resubmit it")
     metrics = Metrics()
     controller = Controller(store, metrics, config.heartbeat_timeout)
     token = join_token(store)
@@ -133,7 +141,8 @@ def create_app(config: ControllerConfig) -> FastAPI:
         try:
             why = await serve_frames(link, metrics, controller.on_frame)
         finally:
-            await controller.link_down(link, why)
+            exiting = link.close_code == CLOSE_SERVER_EXITING
+            await controller.link_down(link, why, controller_exiting=exiting)
             log.info("worker %s disconnected: %s", link.worker_id, why)
 
     return app

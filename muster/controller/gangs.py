@@ -28,7 +28,7 @@ from muster.controller.metrics import Metrics
 from muster.errors import BadRequest, MusterError, PlacementConflict
 from muster.plan import GangAddressing, gang_addressing
 from muster.scheduler import Placement, PoolIndex, QueuedJob, schedule
-from muster.spec import JobSpec, JobState, MemberState, PathClass, WorkerInventory
+from muster.spec import JobSpec, JobState, MemberState, PathClass, WorkerInventory, WorkerState
 from muster.store import Store
 from muster.wire import Frame, Kind
 
@@ -403,17 +403,21 @@ class Controller:
         self.metrics.agents.set(len(self.links))
         return True
 
-    async def link_down(self, link: Link, why: str) -> None:
-        """The link's EOF (or silence) is the host's exit: its members are lost."""
+    async def link_down(self, link: Link, why: str, *, controller_exiting: bool = False) -> None:
+        """The link's EOF (or silence) is the host's exit: its members are lost.
+
+        When the controller itself is stopping, the jobs are left as they are: the next
+        start fails them with that reason (see create_app).
+        """
         if self.links.get(link.worker_id) is not link:
             return
         del self.links[link.worker_id]
         self.metrics.agents.set(len(self.links))
         async with self.lock:
-            from muster.spec import WorkerState
-
             await self.db(self.store.set_worker_state, link.worker_id, WorkerState.OFFLINE)
             await self.db(self.store.record_event, "WorkerLost", why, worker=link.worker_id)
+            if controller_exiting:
+                return
             for run in list(self.runs.values()):
                 node = run.node_of(link.worker_id)
                 if node is None or node in run.exited:

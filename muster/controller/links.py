@@ -21,6 +21,7 @@ log = logging.getLogger("muster.controller")
 HANDSHAKE_TIMEOUT_S = 10.0
 CLOSE_AUTH_FAILED = 4401
 CLOSE_REFUSED = 4409
+CLOSE_SERVER_EXITING = 1012  # what uvicorn sends every WebSocket when the controller stops
 
 
 class Link:
@@ -33,6 +34,7 @@ class Link:
         self.ticket = ticket
         self.last_seen = time.monotonic()
         self.closed = False
+        self.close_code: int | None = None
         self._send_lock = asyncio.Lock()
 
     async def send(self, kind: Kind, body: dict[str, Any]) -> bool:
@@ -101,7 +103,8 @@ async def serve_frames(
         except (RuntimeError, OSError) as exc:
             return f"control link broke: {exc}"
         if message["type"] == "websocket.disconnect":
-            return f"control link closed (code {message.get('code', 1000)})"
+            link.close_code = int(message.get("code", 1000))
+            return f"control link closed (code {link.close_code})"
         data = message.get("bytes")
         if data is None:
             metrics.frames_refused.labels("malformed").inc()

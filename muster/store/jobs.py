@@ -189,6 +189,18 @@ class JobRepository(Repository):
                 )
             )
 
+    def fail_active_jobs(self, cause: str) -> list[str]:
+        """Fail every job caught mid-run (a controller restart): members become lost."""
+        active = [JobState.PLACING, JobState.NETWORKING, JobState.RENDEZVOUS, JobState.RUNNING]
+        failed = []
+        for job in self.jobs(active):
+            for member in self.members(job.id):
+                if not MemberState(member.state).is_terminal:
+                    self.set_member_state(job.id, member.node_rank, MemberState.LOST)
+            self.set_job_state(job.id, JobState.FAILED, cause)
+            failed.append(job.id)
+        return failed
+
     def set_epoch_rendezvous(self, job_id: str, epoch_number: int, addr: str, port: int) -> None:
         """Record node 0's published rendezvous address on the epoch."""
         with self.db.transaction() as s:

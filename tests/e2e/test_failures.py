@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from websockets.sync.client import connect
+from websockets.sync.client import ClientConnection, connect
 
 from muster import wire
 from muster.cli.local import LocalCluster
@@ -68,6 +68,15 @@ def test_stopped_agent_is_lost_after_the_heartbeat_timeout(tmp_path: Path) -> No
             os.kill(agent.pid, signal.SIGCONT)
 
 
+def authenticate(ws: ClientConnection, worker_id: str, token: str) -> tuple[str, str]:
+    """Answer the controller's challenge as ``worker_id``; returns (our nonce, its nonce)."""
+    anonce = str(wire.decode_plain(ws.recv(), Kind.CHALLENGE)["nonce"])
+    cnonce = wire.new_nonce()
+    proof = wire.auth_proof(token, cnonce, anonce, worker_id)
+    ws.send(wire.encode_plain(Kind.AUTH, {"worker_id": worker_id, "nonce": cnonce, "proof": proof}))
+    return cnonce, anonce
+
+
 def metric(cluster: LocalCluster, name: str, reason: str) -> float:
     text = httpx.get(f"{cluster.url}/metrics", timeout=10).text
     match = re.search(rf'^{name}_total{{reason="{reason}"}} (\S+)$', text, re.M)
@@ -81,18 +90,7 @@ def test_hostile_frames_are_refused_and_counted(tmp_path: Path) -> None:
 
         # A wrong token: the link is closed, nothing is registered.
         with connect(url) as ws:
-            anonce = wire.decode_plain(ws.recv(), Kind.CHALLENGE)["nonce"]
-            cnonce = wire.new_nonce()
-            ws.send(
-                wire.encode_plain(
-                    Kind.AUTH,
-                    {
-                        "worker_id": "intruder",
-                        "nonce": cnonce,
-                        "proof": wire.auth_proof("not-the-token", cnonce, anonce, "intruder"),
-                    },
-                )
-            )
+            authenticate(ws, "intruder", "not-the-token")
             with pytest.raises(Exception, match="4401"):
                 ws.recv(timeout=10)
         assert metric(cluster, "muster_frames_refused", "auth") == 1
@@ -100,18 +98,7 @@ def test_hostile_frames_are_refused_and_counted(tmp_path: Path) -> None:
         # An honest link, then a replayed, a forged and a malformed frame: all refused,
         # and the link still answers the next honest heartbeat.
         with connect(url) as ws:
-            anonce = wire.decode_plain(ws.recv(), Kind.CHALLENGE)["nonce"]
-            cnonce = wire.new_nonce()
-            ws.send(
-                wire.encode_plain(
-                    Kind.AUTH,
-                    {
-                        "worker_id": "probe",
-                        "nonce": cnonce,
-                        "proof": wire.auth_proof(token, cnonce, anonce, "probe"),
-                    },
-                )
-            )
+            cnonce, anonce = authenticate(ws, "probe", token)
             codec = wire.LinkCodec(
                 wire.session_key(token, cnonce, anonce),
                 send=wire.TO_CONTROLLER,
@@ -159,6 +146,18 @@ def test_controller_restart_keeps_history_and_persistent_agents_return(tmp_path:
         assert len(arts_before) == 2
 
         cluster.wait_for_workers(2, timeout=60)  # --persist agents dial again
+
+        # A job caught running by a restart fails with that reason; nothing of it survives.
+        caught = submit(api, write_job(tmp_path / "c", "caught", SLEEPER))
+        wait_running(cluster, caught)
+        cluster.stop("server")
+        cluster.start_server()
+        job = api.job(caught)
+        assert job["state"] == "failed"
+        assert "controller restarted" in job["root_cause"]
+        assert {m["state"] for m in job["members"]} == {"lost"}
+        cluster.wait_for_workers(2, timeout=60)
+        wait_no_processes(cluster, caught)
         again = submit(api, write_job(tmp_path / "k", "after", "print('again')\n"))
         assert wait_state(api, again)["state"] == "succeeded"
         wait_no_processes(cluster, again)
