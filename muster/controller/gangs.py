@@ -116,11 +116,9 @@ class Controller:
 
     async def _update_gauges(self) -> None:
         self.metrics.agents.set(len(self.links))
-        counts = {state: 0 for state in JobState}
-        for job in await self.db(self.store.jobs):
-            counts[JobState(job.state)] += 1
-        for state, n in counts.items():
-            self.metrics.jobs.labels(state.value).set(n)
+        counts = await self.db(self.store.job_counts)
+        for state in JobState:
+            self.metrics.jobs.labels(state.value).set(counts.get(state.value, 0))
 
     # ---- placement -----------------------------------------------------------------------
 

@@ -69,6 +69,12 @@ class JobRepository(Repository):
                 query = query.where(Job.state.in_([st.value for st in states]))
             return list(s.scalars(query).all())
 
+    def job_counts(self) -> dict[str, int]:
+        """How many jobs are in each state."""
+        with self.db.transaction() as s:
+            rows = s.execute(select(Job.state, func.count()).group_by(Job.state)).all()
+            return {str(state): int(n) for state, n in rows}
+
     def job_spec(self, job: Job) -> JobSpec:
         return JobSpec.model_validate(job.spec, strict=False)
 

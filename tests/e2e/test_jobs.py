@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from muster.cli.local import LocalCluster
@@ -53,6 +56,15 @@ def test_ddp_example_succeeds_with_artifacts_and_gating(
     members = {m["node_rank"]: m for m in job["members"]}
     assert (members[0]["ranks"], members[1]["ranks"]) == ([0, 1], [2, 3])
     wait_no_processes(cluster, job_id)
+
+    time.sleep(1)  # gauges refresh on the supervision tick
+    metrics = httpx.get(f"{cluster.url}/metrics", timeout=10).text
+    assert "muster_agents_connected 2.0" in metrics
+    assert 'muster_jobs{state="succeeded"} 1.0' in metrics
+    ingested = re.search(r"^muster_log_lines_ingested_total (\S+)$", metrics, re.M)
+    assert ingested is not None
+    assert float(ingested.group(1)) >= len(lines)
+    assert "muster_placement_seconds_count 1.0" in metrics
 
 
 LOUD = """

@@ -45,6 +45,7 @@ def test_submit_and_read_back(store: Store) -> None:
     spec = store.job_spec(again)
     assert spec.gang.world_size == 4
     assert [e.kind for e in store.events(job.id)] == ["Submitted"]
+    assert store.job_counts() == {"queued": 1}
     with pytest.raises(NotFound):
         store.job("nope")
 
