@@ -28,6 +28,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, cast
 
+from muster.errors import UserError
+
 V = TypeVar("V")
 
 
@@ -66,7 +68,7 @@ def fold(parts: Iterable[Contribution[V]]) -> Contribution[V]:
     """Move 2: sum values and masses; never divides, so tiers can nest in any grouping."""
     items = list(parts)
     if not items:
-        raise ValueError("a fold needs at least one contribution")
+        raise UserError("a fold needs at least one contribution")
     total: Any = items[0].scaled
     mass = items[0].mass
     for part in items[1:]:

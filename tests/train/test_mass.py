@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from muster.errors import UserError
 from muster.train.mass import (
     Contribution,
     divide_once,
@@ -95,6 +96,6 @@ def test_a_contribution_left_out_leaves_sum_and_divisor(
 
 
 def test_fold_needs_something() -> None:
-    with pytest.raises(ValueError, match="at least one"):
+    with pytest.raises(UserError, match="at least one"):
         fold([])
     assert fold([Contribution(2.0, 1.0)]).scaled == 2.0

@@ -1,0 +1,130 @@
+"""The ElChe cadence schedule: how many batches each rank runs in the next window (seed 002).
+
+N ranks are treated as one logical device split into per-rank batch counts. The slowest
+rank is the anchor and runs ``anchor_batches``; a rank k times faster runs k times as many,
+so every rank reaches the averaging round at about the same moment instead of the fast ones
+idling at a barrier.
+
+Timing feed, per window and rank:
+- the window's first batch is the *fill* (plan pickup, prefetch spin-up, the first
+  unpipelined copy). It is kept out of the marginal rate; its excess over that rate is kept
+  apart as ``fill_excess_ms``, because a fixed cost must not scale a rank's allocation;
+- batches 2..n give the marginal *delivered* cost (compute + data + transport);
+- a window is *coherent* when every rank that worked has a delivered marginal. If it is not,
+  the whole cohort falls back to compute-only timing for that window: mixing the two scales
+  would invert the allocation. A change of scale starts the history afresh;
+- a rank that ran no batch is a non-mover: it adds nothing to the history.
+Rates are the mean over a ring buffer of recent windows. A window never exceeds what is left
+of the epoch. Pure: no clock, no torch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from muster.errors import UserError
+
+Scale = Literal["delivered", "compute"]
+
+
+@dataclass(frozen=True)
+class WindowReport:
+    """What one rank measured in one window, batch by batch, in milliseconds."""
+
+    delivered_ms: Sequence[float]  # wall time per batch as delivered (compute + data + wire)
+    compute_ms: Sequence[float]  # the compute part of each batch
+
+    @property
+    def batches(self) -> int:
+        return len(self.delivered_ms)
+
+    @property
+    def marginal_ms(self) -> float | None:
+        """Mean delivered cost of batches 2..n; None with fewer than two batches."""
+        rest = self.delivered_ms[1:]
+        return sum(rest) / len(rest) if rest else None
+
+    @property
+    def fill_excess_ms(self) -> float:
+        """How much longer the first batch took than the marginal rate (never negative)."""
+        marginal = self.marginal_ms
+        if marginal is None or not self.delivered_ms:
+            return 0.0
+        return max(0.0, self.delivered_ms[0] - marginal)
+
+    @property
+    def compute_rate_ms(self) -> float | None:
+        return sum(self.compute_ms) / len(self.compute_ms) if self.compute_ms else None
+
+
+@dataclass
+class ElCheSchedule:
+    """Per-rank batch counts from a ring buffer of recent windows' timings."""
+
+    ranks: int
+    anchor_batches: int = 8
+    history: int = 4
+    scale: Scale = "delivered"
+    rates: list[deque[float]] = field(default_factory=list)
+    fill_excess_ms: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.ranks < 1 or self.anchor_batches < 1 or self.history < 1:
+            raise UserError("ranks, anchor_batches and history must all be at least 1")
+        self.rates = [deque(maxlen=self.history) for _ in range(self.ranks)]
+        self.fill_excess_ms = [0.0] * self.ranks
+
+    def record(self, reports: Sequence[WindowReport]) -> Scale:
+        """Feed one window's reports (one per rank); returns the scale it was read on."""
+        if len(reports) != self.ranks:
+            raise UserError(f"expected {self.ranks} reports, got {len(reports)}")
+        movers = [r for r in reports if r.batches > 0]
+        coherent = all(r.marginal_ms is not None for r in movers)
+        scale: Scale = "delivered" if coherent else "compute"
+        if scale != self.scale:
+            for ring in self.rates:
+                ring.clear()
+            self.scale = scale
+        for rank, report in enumerate(reports):
+            if report.batches == 0:
+                continue  # a non-mover: no evidence either way
+            rate = report.marginal_ms if scale == "delivered" else report.compute_rate_ms
+            if rate is not None and rate > 0:
+                self.rates[rank].append(rate)
+            self.fill_excess_ms[rank] = report.fill_excess_ms
+        return scale
+
+    def rate_ms(self, rank: int) -> float | None:
+        ring = self.rates[rank]
+        return sum(ring) / len(ring) if ring else None
+
+    def batch_counts(self, epoch_remaining: int | None = None) -> list[int]:
+        """The next window: the slowest rank runs anchor_batches, faster ranks range ahead,
+        and the total never exceeds ``epoch_remaining`` batches."""
+        rates = [self.rate_ms(r) for r in range(self.ranks)]
+        known = [r for r in rates if r is not None]
+        if len(known) < self.ranks:
+            counts = [self.anchor_batches] * self.ranks  # no evidence yet: equal shares
+        else:
+            slowest = max(known)
+            counts = [max(1, round(self.anchor_batches * slowest / r)) for r in known]
+        if epoch_remaining is not None:
+            counts = _cap(counts, max(0, epoch_remaining))
+        return counts
+
+
+def _cap(counts: list[int], limit: int) -> list[int]:
+    """Scale counts down so they sum to at most ``limit``, keeping their proportions."""
+    total = sum(counts)
+    if total <= limit:
+        return counts
+    scaled = [c * limit / total for c in counts]
+    out = [int(s) for s in scaled]
+    # Hand the leftover batches to the largest remainders, so nothing of the epoch is lost.
+    order = sorted(range(len(out)), key=lambda i: scaled[i] - out[i], reverse=True)
+    for i in order[: limit - sum(out)]:
+        out[i] += 1
+    return out
