@@ -14,6 +14,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from muster import wire
 from muster.controller.metrics import Metrics
+from muster.errors import MusterError
 from muster.wire import Frame, FrameRefused, Kind
 
 log = logging.getLogger("muster.controller")
@@ -116,7 +117,15 @@ async def serve_frames(
             log.warning("worker %s: %s", link.worker_id, exc)
             continue
         link.last_seen = time.monotonic()
-        await on_frame(link, frame)
+        try:
+            await on_frame(link, frame)
+        except (KeyError, TypeError, ValueError) as exc:  # a well-MAC'd frame with a bad body
+            metrics.frames_refused.labels("malformed").inc()
+            log.warning(
+                "worker %s: %s frame with a bad body: %r", link.worker_id, frame.kind.name, exc
+            )
+        except MusterError as exc:
+            log.warning("worker %s: %s frame refused: %s", link.worker_id, frame.kind.name, exc)
 
 
 async def _close(ws: WebSocket, code: int) -> None:

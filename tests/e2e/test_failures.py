@@ -113,10 +113,11 @@ def test_hostile_frames_are_refused_and_counted(tmp_path: Path) -> None:
             forged[-1] ^= 0xFF
             ws.send(bytes(forged))
             ws.send(b"\x01\x63garbage")  # malformed
+            ws.send(codec.encode(Kind.INVENTORY, {"inventory": {"gpus": "many"}}))  # bad body
             ws.send(codec.encode(Kind.HEARTBEAT, {"time": 3}))
             assert codec.decode(ws.recv(timeout=10)).kind is Kind.HEARTBEAT_ACK
-        for reason in ("replayed", "forged", "malformed"):
-            assert metric(cluster, "muster_frames_refused", reason) == 1, reason
+        for reason, count in (("replayed", 1), ("forged", 1), ("malformed", 2)):
+            assert metric(cluster, "muster_frames_refused", reason) == count, reason
 
         # Honest agents were never disturbed: a job still runs.
         api = cluster.client()
