@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,10 @@ import httpx
 
 from muster.client import Client
 from muster.errors import InfrastructureError
+
+
+def _raise_exit(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def free_port() -> int:
@@ -47,6 +52,9 @@ class LocalCluster:
             self._tmp = tempfile.TemporaryDirectory(prefix="muster-")
             self.data_dir = Path(self._tmp.name)
         self.port = self.port or free_port()
+        if threading.current_thread() is threading.main_thread():
+            # SIGTERM (timeout, kill) unwinds like Ctrl-C, so __exit__ still stops everything.
+            signal.signal(signal.SIGTERM, _raise_exit)
         try:
             self.start_server()
             for i in range(self.agents):
