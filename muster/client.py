@@ -24,6 +24,7 @@ from muster.errors import (
     SpecError,
     UserError,
 )
+from muster.spec import JobSpec
 
 DEFAULT_URL = "http://127.0.0.1:7070"
 SKIP_DIRS = {
@@ -138,6 +139,13 @@ class Client:
             "POST", "/v1/jobs", json={"spec": spec, "bundle_sha256": bundle_sha256}
         )
         return result
+
+    def submit_with_bundle(self, spec: JobSpec, workdir: Path) -> dict[str, Any]:
+        """Pack ``workdir`` as the source bundle, upload it, and queue ``spec`` with it."""
+        bundle, digest = pack_bundle(workdir)
+        if self.upload_bundle(bundle) != digest:
+            raise MusterError("the controller stored a different bundle digest; try again")
+        return self.submit(spec.model_dump(mode="json"), digest)
 
     def jobs(self) -> list[dict[str, Any]]:
         result: list[dict[str, Any]] = self._call("GET", "/v1/jobs")

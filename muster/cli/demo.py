@@ -11,7 +11,6 @@ from rich.table import Table
 from muster.cli.follow import follow_logs
 from muster.cli.local import LocalCluster
 from muster.cli.main import app, err, out, reports_errors
-from muster.client import pack_bundle
 from muster.errors import UserError
 from muster.spec import load_job_file
 
@@ -36,9 +35,7 @@ def demo(
             f"controller {cluster.url}, {agents} agents, data in {cluster.data_dir}", markup=False
         )
         api = cluster.client()
-        bundle, digest = pack_bundle((job_file.parent / spec.workdir).resolve())
-        api.upload_bundle(bundle)
-        job_id = api.submit(spec.model_dump(mode="json"), digest)["id"]
+        job_id = api.submit_with_bundle(spec, (job_file.parent / spec.workdir).resolve())["id"]
         err.print(f"submitted {job_id}", markup=False)
         state = follow_logs(api, job_id)
         summary(api.job(job_id), api.logs(job_id, limit=50_000)["lines"], api.artifacts(job_id))

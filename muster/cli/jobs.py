@@ -10,7 +10,6 @@ from rich.table import Table
 from muster.cli.common import ControllerOpt, TokenOpt, client
 from muster.cli.follow import follow_logs
 from muster.cli.main import app, err, out, reports_errors
-from muster.client import pack_bundle
 from muster.errors import UserError
 from muster.spec import load_job_file
 
@@ -27,13 +26,9 @@ def submit(
 ) -> None:
     """Validate a job, upload its workdir as the source bundle, and queue it."""
     spec = load_job_file(job_file)
-    workdir = (job_file.parent / spec.workdir).resolve()
-    bundle, digest = pack_bundle(workdir)
     api = client(controller, token)
-    if api.upload_bundle(bundle) != digest:
-        raise UserError("the controller stored a different bundle digest; try again")
-    job = api.submit(spec.model_dump(mode="json"), digest)
-    err.print(f"submitted {job['id']} (bundle {digest[:12]}, {len(bundle):,} bytes)", markup=False)
+    job = api.submit_with_bundle(spec, (job_file.parent / spec.workdir).resolve())
+    err.print(f"submitted {job['id']}", markup=False)
     out.print(job["id"], markup=False)
     if follow:
         state = follow_logs(api, job["id"])

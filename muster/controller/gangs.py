@@ -368,14 +368,10 @@ class Controller:
         run.over = True
         await self.db(self.store.set_job_state, run.job_id, state, cause)
         for node, worker_id in enumerate(run.workers):
-            if node in run.started and node not in run.exited:
-                link = self.links.get(worker_id)
-                if link is not None:
-                    await link.send(Kind.STOP, {"job": run.job_id, "reason": cause})
-            elif node not in run.started:
-                link = self.links.get(worker_id)
-                if link is not None:  # it may have been assigned: make sure it never starts
-                    await link.send(Kind.STOP, {"job": run.job_id, "reason": cause})
+            # Running members stop now; assigned ones must never start.
+            link = self.links.get(worker_id)
+            if node not in run.exited and link is not None:
+                await link.send(Kind.STOP, {"job": run.job_id, "reason": cause})
         self._forget_if_done(run)
         self.request_pass()
 

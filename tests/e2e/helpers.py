@@ -10,7 +10,7 @@ import psutil
 import yaml
 
 from muster.cli.local import LocalCluster
-from muster.client import Client, pack_bundle
+from muster.client import Client
 from muster.spec import parse_job
 
 TERMINAL = {"succeeded", "failed", "cancelled"}
@@ -32,9 +32,7 @@ def write_job(root: Path, name: str, script: str, **spec: Any) -> Path:
 
 def submit(api: Client, job_file: Path) -> str:
     spec = parse_job(yaml.safe_load(job_file.read_text()))
-    data, digest = pack_bundle(job_file.parent)
-    api.upload_bundle(data)
-    return str(api.submit(spec.model_dump(mode="json"), digest)["id"])
+    return str(api.submit_with_bundle(spec, job_file.parent)["id"])
 
 
 def wait_state(
