@@ -97,6 +97,10 @@ class FencedEpoch(PlatformError):
     """A message arrived for a gang epoch that has been fenced."""
 
 
+class CohortDiverged(PlatformError):
+    """Ranks reached an averaging round at different windows: their collectives no longer pair."""
+
+
 class InfrastructureError(MusterError):
     """Something below muster failed: the database, a host, the network."""
 

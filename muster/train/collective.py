@@ -78,15 +78,26 @@ def _weighted_sum(tensors: list[torch.Tensor], factor: float, group: Any, backen
 
 
 def average_round(
-    model: nn.Module, batches: int, gamma: float = 1.0, group: Any = None
+    model: nn.Module,
+    batches: int,
+    gamma: float = 1.0,
+    group: Any = None,
+    side: torch.Tensor | None = None,
 ) -> RoundResult:
-    """Average ``model`` across the group, each rank weighted by the batches it realized."""
+    """Average ``model`` across the group, each rank weighted by the batches it realized.
+
+    ``side``, a float64 CPU vector of the same length on every rank, rides the COUNT
+    collective and is replaced by its sum over the group (the ElChe timing exchange uses it,
+    so a window costs no extra collective).
+    """
     backend = str(dist.get_backend(group))
     device = next(model.parameters()).device
-    count = torch.tensor(
-        [gamma_mass(batches, gamma), mover_mass(batches)], dtype=torch.float64, device=device
-    )
+    head = [gamma_mass(batches, gamma), mover_mass(batches)]
+    extra = side.tolist() if side is not None else []
+    count = torch.tensor(head + extra, dtype=torch.float64, device=device)
     dist.all_reduce(count, op=dist.ReduceOp.SUM, group=group)
+    if side is not None:
+        side.copy_(count[2:].cpu())
     cohort_mass, movers = float(count[0]), float(count[1])
     if not is_realized(cohort_mass):
         return RoundResult(False, 1, cohort_mass, movers)

@@ -12,10 +12,13 @@ Timing feed, per window and rank:
 - batches 2..n give the marginal *delivered* cost (compute + data + transport);
 - a window is *coherent* when every rank that worked has a delivered marginal. If it is not,
   the whole cohort falls back to compute-only timing for that window: mixing the two scales
-  would invert the allocation. A change of scale starts the history afresh;
+  would invert the allocation. Each scale keeps its own history, so the two never mix;
 - a rank that ran no batch is a non-mover: it adds nothing to the history.
 Rates are the mean over a ring buffer of recent windows. A window never exceeds what is left
 of the epoch. Pure: no clock, no torch.
+
+Reports come as ``WindowReport`` (batch by batch, as a rank measures them) or as
+``WindowSummary`` (the four figures a rank sends its peers at the averaging round).
 """
 
 from __future__ import annotations
@@ -23,11 +26,34 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 from muster.errors import UserError
 
 Scale = Literal["delivered", "compute"]
+
+
+class Report(Protocol):
+    """What the schedule reads of one rank's window."""
+
+    @property
+    def batches(self) -> int: ...
+    @property
+    def marginal_ms(self) -> float | None: ...
+    @property
+    def fill_excess_ms(self) -> float: ...
+    @property
+    def compute_rate_ms(self) -> float | None: ...
+
+
+@dataclass(frozen=True)
+class WindowSummary:
+    """A window reduced to the figures the schedule needs (what travels between ranks)."""
+
+    batches: int
+    marginal_ms: float | None
+    fill_excess_ms: float
+    compute_rate_ms: float | None
 
 
 @dataclass(frozen=True)
@@ -59,6 +85,11 @@ class WindowReport:
     def compute_rate_ms(self) -> float | None:
         return sum(self.compute_ms) / len(self.compute_ms) if self.compute_ms else None
 
+    def summary(self) -> WindowSummary:
+        return WindowSummary(
+            self.batches, self.marginal_ms, self.fill_excess_ms, self.compute_rate_ms
+        )
+
 
 @dataclass
 class ElCheSchedule:
@@ -68,49 +99,55 @@ class ElCheSchedule:
     anchor_batches: int = 8
     history: int = 4
     scale: Scale = "delivered"
-    rates: list[deque[float]] = field(default_factory=list)
+    rings: dict[Scale, list[deque[float]]] = field(default_factory=dict)
     fill_excess_ms: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.ranks < 1 or self.anchor_batches < 1 or self.history < 1:
             raise UserError("ranks, anchor_batches and history must all be at least 1")
-        self.rates = [deque(maxlen=self.history) for _ in range(self.ranks)]
+        self.rings = {
+            scale: [deque(maxlen=self.history) for _ in range(self.ranks)]
+            for scale in ("delivered", "compute")
+        }
         self.fill_excess_ms = [0.0] * self.ranks
 
-    def record(self, reports: Sequence[WindowReport]) -> Scale:
+    def record(self, reports: Sequence[Report]) -> Scale:
         """Feed one window's reports (one per rank); returns the scale it was read on."""
         if len(reports) != self.ranks:
             raise UserError(f"expected {self.ranks} reports, got {len(reports)}")
         movers = [r for r in reports if r.batches > 0]
         coherent = all(r.marginal_ms is not None for r in movers)
-        scale: Scale = "delivered" if coherent else "compute"
-        if scale != self.scale:
-            for ring in self.rates:
-                ring.clear()
-            self.scale = scale
+        self.scale = "delivered" if coherent else "compute"
         for rank, report in enumerate(reports):
             if report.batches == 0:
                 continue  # a non-mover: no evidence either way
-            rate = report.marginal_ms if scale == "delivered" else report.compute_rate_ms
-            if rate is not None and rate > 0:
-                self.rates[rank].append(rate)
-            self.fill_excess_ms[rank] = report.fill_excess_ms
-        return scale
+            compute = report.compute_rate_ms
+            if compute is not None and compute > 0:
+                self.rings["compute"][rank].append(compute)
+            delivered = report.marginal_ms
+            if coherent and delivered is not None and delivered > 0:
+                self.rings["delivered"][rank].append(delivered)
+                self.fill_excess_ms[rank] = report.fill_excess_ms
+        return self.scale
 
-    def rate_ms(self, rank: int) -> float | None:
-        ring = self.rates[rank]
+    def rate_ms(self, rank: int, scale: Scale | None = None) -> float | None:
+        """A rank's mean per-batch cost on ``scale`` (default: the last window's)."""
+        ring = self.rings[scale or self.scale][rank]
         return sum(ring) / len(ring) if ring else None
 
     def batch_counts(self, epoch_remaining: int | None = None) -> list[int]:
         """The next window: the slowest rank runs anchor_batches, faster ranks range ahead,
         and the total never exceeds ``epoch_remaining`` batches."""
-        rates = [self.rate_ms(r) for r in range(self.ranks)]
-        known = [r for r in rates if r is not None]
-        if len(known) < self.ranks:
-            counts = [self.anchor_batches] * self.ranks  # no evidence yet: equal shares
-        else:
-            slowest = max(known)
-            counts = [max(1, round(self.anchor_batches * slowest / r)) for r in known]
+        counts = [self.anchor_batches] * self.ranks  # no evidence yet: equal shares
+        # The last window's scale if every rank has evidence on it, else the compute scale
+        # (every mover feeds it); never a mix of the two.
+        for scale in (self.scale, "compute"):
+            rates = [self.rate_ms(r, scale) for r in range(self.ranks)]
+            known = [r for r in rates if r is not None]
+            if len(known) == self.ranks:
+                slowest = max(known)
+                counts = [max(1, round(self.anchor_batches * slowest / r)) for r in known]
+                break
         if epoch_remaining is not None:
             counts = _cap(counts, max(0, epoch_remaining))
         return counts

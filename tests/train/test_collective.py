@@ -3,45 +3,17 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from muster.cli.local import free_port
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.train.torchrun import ROOT, torchrun
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("rounds")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "2",
-            "--max-restarts=0",
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(free_port()),
-            str(ROOT / "tests/train/rounds_worker.py"),
-            str(out),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    torchrun(ROOT / "tests/train/rounds_worker.py", str(out), timeout=120)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 

@@ -1,0 +1,222 @@
+"""ElChe: data parallel training that keeps fast and slow ranks all busy (seed 002).
+
+Plain DDP holds every rank to the slowest one: a rank twice as fast idles half the time at the
+gradient all_reduce. ElChe instead gives each rank its own number of batches per *window*,
+proportional to its measured speed, and averages the models at the end of the window, each
+rank weighted by the work it realized (``n ** gamma`` batches). Under ``torchrun``::
+
+    dist.init_process_group("gloo")            # or "nccl"
+    elche = ElChe(model, optimizer, dataset_size=len(data), batch_size=64, mode="cadence")
+    for epoch in range(epochs):
+        for x, y in elche.epoch(epoch, fetch=lambda idx: (data.x[idx], data.y[idx])):
+            elche.step(loss_fn(model(x), y))   # zero_grad, backward, optimizer.step
+
+Modes:
+- ``sync``: one batch per rank, then an average (every step, like DDP; SGD without momentum
+  gives the same updates as DDP; the optimizer's state stays local);
+- ``cadence``: the ElChe schedule: the slowest rank runs ``anchor_batches`` per window, faster
+  ranks range ahead in proportion to their delivered per-batch cost;
+- ``async`` (cadence without the window barrier) needs the CPU star backend, which is not
+  built yet; it is refused with that reason.
+
+No controller is needed: at each round every rank adds its window timings to the round's
+first collective, so every rank computes the same next counts, and the same dealing of the
+epoch's samples (``WindowSampler``). A window never exceeds what is left of the epoch, so
+every epoch ends on a round and every rank holds the same model there.
+
+Every rank must run the same loop: leaving it early on one rank (``break``) leaves the others
+waiting in the next round's collective until the process group's timeout.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, TypeVar, overload
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from muster.errors import CohortDiverged, UserError
+from muster.train.collective import RoundResult, average_round
+from muster.train.sampler import WindowSampler
+from muster.train.schedule import ElCheSchedule, WindowReport, WindowSummary
+
+Mode = Literal["sync", "cadence", "async"]
+MODES = ("sync", "cadence", "async")
+T = TypeVar("T")
+
+# Per-rank slots in the timing exchange that rides the COUNT collective.
+_SLOTS = 6  # window number + 1, batches, marginal ms, has marginal, fill excess ms, compute ms
+
+
+class AverageBackend(Protocol):
+    """How a round averages the model: the collective backend today, the CPU star later."""
+
+    def round(
+        self, model: nn.Module, batches: int, gamma: float, side: torch.Tensor
+    ) -> RoundResult: ...
+
+
+@dataclass(frozen=True)
+class CollectiveBackend:
+    """all_reduce over torch.distributed (gloo or NCCL): every round paces the window."""
+
+    group: Any = None
+
+    def round(
+        self, model: nn.Module, batches: int, gamma: float, side: torch.Tensor
+    ) -> RoundResult:
+        return average_round(model, batches, gamma, self.group, side)
+
+
+class ElChe:
+    """Heterogeneity-aware data parallel training over an initialized process group."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        dataset_size: int,
+        batch_size: int,
+        mode: Mode = "cadence",
+        gamma: float = 1.0,
+        anchor_batches: int = 8,
+        history: int = 4,
+        seed: int = 0,
+        shuffle: bool = True,
+        backend: str = "collective",
+        group: Any = None,
+    ) -> None:
+        if mode not in MODES:
+            raise UserError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
+        if mode == "async":
+            raise UserError(
+                "mode='async' needs the CPU star backend, which muster does not ship yet: "
+                "a collective round is itself a barrier. Use mode='cadence'"
+            )
+        if backend != "collective":
+            raise UserError(f"backend must be 'collective' (the only one built); got {backend!r}")
+        if not math.isfinite(gamma):
+            raise UserError(f"gamma must be a finite number; got {gamma!r}")
+        if not dist.is_available() or not dist.is_initialized():
+            raise UserError(
+                "ElChe needs a process group: call torch.distributed.init_process_group() "
+                "first, and start the script with torchrun (or muster)"
+            )
+        owned = {id(p) for p in model.parameters()}
+        for param_group in optimizer.param_groups:
+            if any(id(p) not in owned for p in param_group["params"]):
+                raise UserError("the optimizer holds parameters that are not the model's")
+        self.model = model
+        self.optimizer = optimizer
+        self.mode: Mode = mode
+        self.gamma = float(gamma)
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.backend: AverageBackend = CollectiveBackend(group)
+        self.sampler = WindowSampler(
+            dataset_size, batch_size, rank=self.rank, world=self.world, seed=seed, shuffle=shuffle
+        )
+        self.schedule = ElCheSchedule(self.world, anchor_batches=anchor_batches, history=history)
+        self.window = 0  # windows completed (= averaging rounds run)
+        self.counts: list[int] = []  # batch counts of the current (or last) window, per rank
+        self.batches_run = 0  # batches this rank ran, all epochs
+        self.round_ms = 0.0  # time spent in rounds: waiting for the cohort plus the collectives
+        self.last_round: RoundResult | None = None
+        self._broadcast_initial_state()
+
+    def _broadcast_initial_state(self) -> None:
+        """Start every rank from rank 0's model, as DDP does."""
+        source = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        with torch.no_grad():
+            for tensor in [*self.model.parameters(), *self.model.buffers()]:
+                dist.broadcast(tensor.data, src=source, group=self.group)
+
+    def _plan(self, left: int) -> list[int]:
+        if self.mode == "sync":
+            counts = [1] * self.world
+            for rank in range(left, self.world):
+                counts[rank] = 0  # the epoch's last few batches do not go round
+            return counts
+        return self.schedule.batch_counts(epoch_remaining=left)
+
+    @overload
+    def epoch(self, epoch: int, fetch: None = None) -> Iterator[torch.Tensor]: ...
+    @overload
+    def epoch(self, epoch: int, fetch: Callable[[torch.Tensor], T]) -> Iterator[T]: ...
+
+    def epoch(
+        self, epoch: int, fetch: Callable[[torch.Tensor], Any] | None = None
+    ) -> Iterator[Any]:
+        """This rank's batches of ``epoch``: index tensors, or what ``fetch(indices)`` returns.
+
+        Each yielded batch is timed until the loop asks for the next one; the time ``fetch``
+        takes counts as delivered cost, not compute. Rounds run between windows.
+        """
+        self.sampler.start_epoch(epoch)
+        while (left := self.sampler.remaining_batches) > 0:
+            self.counts = self._plan(left)
+            mine = self.sampler.deal(self.counts)
+            delivered: list[float] = []
+            compute: list[float] = []
+            mark = time.perf_counter()
+            for indices in mine:
+                item = fetch(indices) if fetch is not None else indices
+                ready = time.perf_counter()
+                yield item
+                done = time.perf_counter()
+                delivered.append((done - mark) * 1e3)
+                compute.append((done - ready) * 1e3)
+                mark = done
+                self.batches_run += 1
+            self._round(WindowReport(delivered, compute).summary())
+
+    def step(self, loss: torch.Tensor) -> None:
+        """The usual step: zero the gradients, backpropagate ``loss``, step the optimizer."""
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # type: ignore[no-untyped-call]
+        self.optimizer.step()
+
+    def _round(self, mine: WindowSummary) -> None:
+        side = torch.zeros(self.world * _SLOTS, dtype=torch.float64)
+        base = self.rank * _SLOTS
+        side[base : base + _SLOTS] = torch.tensor(
+            [
+                self.window + 1,
+                mine.batches,
+                mine.marginal_ms or 0.0,
+                1.0 if mine.marginal_ms is not None else 0.0,
+                mine.fill_excess_ms,
+                mine.compute_rate_ms or 0.0,
+            ],
+            dtype=torch.float64,
+        )
+        started = time.perf_counter()
+        self.last_round = self.backend.round(self.model, mine.batches, self.gamma, side)
+        self.round_ms += (time.perf_counter() - started) * 1e3
+        rows = side.view(self.world, _SLOTS).tolist()
+        for rank, row in enumerate(rows):
+            if int(row[0]) != self.window + 1:
+                raise CohortDiverged(
+                    f"rank {rank} reached the averaging round of window {int(row[0]) - 1} while "
+                    f"rank {self.rank} is at window {self.window}: every rank must run the same "
+                    "loop (no early break on one rank)"
+                )
+        reports = [
+            WindowSummary(
+                batches=int(row[1]),
+                marginal_ms=row[2] if row[3] else None,
+                fill_excess_ms=row[4],
+                compute_rate_ms=row[5] if row[1] > 0 else None,
+            )
+            for row in rows
+        ]
+        if self.mode == "cadence":
+            self.schedule.record(reports)
+        self.window += 1

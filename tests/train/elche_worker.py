@@ -1,0 +1,114 @@
+"""Run under torchrun by test_elche.py: ElChe training loops, what each rank saw, as JSON.
+
+argv: OUT_DIR SCENARIO, with SCENARIO one of
+- cadence: rank 1 three times slower; per window, the counts and this rank's sample indices;
+  per epoch, a digest of the parameters;
+- sync: ElChe sync next to torch DDP on the same batches (SGD without momentum); then an
+  epoch of 5 batches, whose last window leaves rank 1 without a batch;
+- diverge: rank 1 starts a window ahead, as a rank that skipped one would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from muster.errors import CohortDiverged
+from muster.train.elche import ElChe
+
+
+def data(samples: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(samples, 16, generator=g)
+    return x, x @ torch.randn(16, 1, generator=g)
+
+
+def params(model: nn.Module) -> list[float]:
+    return torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
+
+
+def cadence(rank: int) -> dict[str, object]:
+    torch.manual_seed(rank)  # different starts: ElChe must broadcast rank 0's
+    model = nn.Sequential(nn.Linear(16, 256), nn.ReLU(), nn.Linear(256, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    x, y = data(40 * 64 + 17)  # 40 full batches and 17 samples left over
+    elche = ElChe(model, optimizer, dataset_size=len(x), batch_size=64, anchor_batches=3)
+    windows: list[dict[str, object]] = []
+    epochs: list[list[float]] = []
+    for epoch in range(3):
+        current = -1
+        for indices in elche.epoch(epoch):
+            if elche.window != current:
+                current = elche.window
+                windows.append({"epoch": epoch, "counts": list(elche.counts), "indices": []})
+            windows[-1]["indices"] += indices.tolist()  # type: ignore[operator]
+            t0 = time.perf_counter()
+            elche.step(nn.functional.mse_loss(model(x[indices]), y[indices]))
+            if rank == 1:
+                time.sleep(2 * (time.perf_counter() - t0) + 0.002)
+        epochs.append(params(model))
+    return {"windows": windows, "epochs": epochs, "rounds": elche.window}
+
+
+def sync(rank: int) -> dict[str, object]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 1))
+    twin = DistributedDataParallel(nn.Sequential(nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 1)))
+    twin.module.load_state_dict(model.state_dict())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    twin_optimizer = torch.optim.SGD(twin.parameters(), lr=0.05)
+    x, y = data(6 * 32)
+    elche = ElChe(model, optimizer, dataset_size=len(x), batch_size=32, mode="sync")
+    for epoch in range(2):
+        for indices in elche.epoch(epoch):
+            elche.step(nn.functional.mse_loss(model(x[indices]), y[indices]))
+            twin_optimizer.zero_grad()
+            nn.functional.mse_loss(twin(x[indices]), y[indices]).backward()
+            twin_optimizer.step()
+    result: dict[str, object] = {
+        "windows": elche.window,
+        "params": params(model),
+        "ddp": params(twin.module),
+    }
+    # 5 batches an epoch: the last window leaves rank 1 without a batch.
+    x, y = data(5 * 32)
+    elche = ElChe(model, optimizer, dataset_size=len(x), batch_size=32, mode="sync")
+    counts: list[list[int]] = []
+    for indices in elche.epoch(0):
+        counts.append(list(elche.counts))
+        elche.step(nn.functional.mse_loss(model(x[indices]), y[indices]))
+    result.update(tail_counts=counts, tail_windows=elche.window, tail_params=params(model))
+    return result
+
+
+def diverge(rank: int) -> dict[str, object]:
+    model = nn.Linear(4, 1)
+    elche = ElChe(model, torch.optim.SGD(model.parameters(), lr=0.1), dataset_size=64, batch_size=8)
+    elche.window += rank
+    try:
+        for _ in elche.epoch(0):
+            pass
+    except CohortDiverged as error:
+        return {"error": str(error)}
+    return {"error": None}
+
+
+def main() -> None:
+    out, scenario = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    result = {"cadence": cadence, "sync": sync, "diverge": diverge}[scenario](rank)
+    with open(os.path.join(out, f"{scenario}{rank}.json"), "w") as fh:
+        json.dump(result, fh)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

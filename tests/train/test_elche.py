@@ -1,0 +1,113 @@
+"""ElChe training loops on real torchrun processes (2 ranks, gloo, CPU)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from muster.errors import UserError
+from tests.train.torchrun import ROOT, torchrun
+
+WORKER = ROOT / "tests/train/elche_worker.py"
+
+
+def run(tmp_path_factory: pytest.TempPathFactory, scenario: str) -> list[dict[str, Any]]:
+    out = tmp_path_factory.mktemp(scenario)
+    torchrun(WORKER, str(out), scenario)
+    return [json.loads((out / f"{scenario}{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def cadence(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run(tmp_path_factory, "cadence")
+
+
+def test_cadence_gives_the_fast_rank_more_batches(cadence: list[dict[str, Any]]) -> None:
+    fast = cadence[0]
+    # Rank 1 is three times slower; once timings are in, the fast rank ranges ahead.
+    later = [w["counts"] for w in fast["windows"][2:]]
+    assert all(c0 >= 2 * c1 for c0, c1 in later if c1 > 0), later
+    ran = [sum(len(w["indices"]) for w in r["windows"]) for r in cadence]
+    assert ran[0] >= 2 * ran[1], ran
+
+
+def test_each_rank_runs_exactly_its_count(cadence: list[dict[str, Any]]) -> None:
+    for rank, result in enumerate(cadence):
+        for window in result["windows"]:
+            assert len(window["indices"]) == 64 * window["counts"][rank]
+    # Every rank saw the same schedule, so they dealt the epoch the same way.
+    assert [w["counts"] for w in cadence[0]["windows"] if w["counts"][1]] == [
+        w["counts"] for w in cadence[1]["windows"]
+    ]
+
+
+def test_no_sample_is_seen_twice_in_an_epoch(cadence: list[dict[str, Any]]) -> None:
+    for epoch in range(3):
+        seen = [
+            i
+            for result in cadence
+            for window in result["windows"]
+            if window["epoch"] == epoch
+            for i in window["indices"]
+        ]
+        assert len(seen) == len(set(seen)) == 40 * 64  # every full batch, once
+        assert set(seen) <= set(range(40 * 64 + 17))
+
+
+def test_every_epoch_ends_with_the_same_model_on_every_rank(
+    cadence: list[dict[str, Any]],
+) -> None:
+    fast, slow = cadence
+    assert fast["rounds"] == slow["rounds"]
+    assert fast["epochs"] == slow["epochs"]
+    assert fast["epochs"][0] != fast["epochs"][2]  # and it trained
+
+
+@pytest.fixture(scope="module")
+def sync(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run(tmp_path_factory, "sync")
+
+
+def test_sync_mode_matches_ddp(sync: list[dict[str, Any]]) -> None:
+    a, b = sync
+    assert a["windows"] == b["windows"] == 6  # 3 windows of one batch per rank, 2 epochs
+    assert a["params"] == b["params"]
+    assert a["params"] == pytest.approx(a["ddp"], rel=1e-5, abs=1e-6)
+
+
+def test_sync_tail_window_leaves_a_rank_idle_without_moving_the_average(
+    sync: list[dict[str, Any]],
+) -> None:
+    a, b = sync
+    assert a["tail_counts"] == [[1, 1], [1, 1], [1, 0]]
+    assert b["tail_counts"] == [[1, 1], [1, 1]]  # rank 1 had no batch in the last window
+    assert a["tail_windows"] == b["tail_windows"] == 3
+    assert a["tail_params"] == b["tail_params"]
+
+
+def test_a_rank_out_of_step_is_caught_at_the_round(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    for result in run(tmp_path_factory, "diverge"):
+        assert "reached the averaging round of window" in result["error"]
+        assert "no early break" in result["error"]
+
+
+def test_bad_settings_are_refused_before_any_collective() -> None:
+    from torch import nn
+    from torch.optim import SGD
+
+    from muster.train.elche import ElChe
+
+    model = nn.Linear(2, 1)
+    optimizer = SGD(model.parameters(), lr=0.1)
+    with pytest.raises(UserError, match="CPU star backend"):
+        ElChe(model, optimizer, dataset_size=8, batch_size=2, mode="async")
+    with pytest.raises(UserError, match="mode must be one of sync, cadence, async"):
+        ElChe(model, optimizer, dataset_size=8, batch_size=2, mode="fast")  # type: ignore[arg-type]
+    with pytest.raises(UserError, match="gamma must be a finite number"):
+        ElChe(model, optimizer, dataset_size=8, batch_size=2, gamma=float("nan"))
+    with pytest.raises(UserError, match="init_process_group"):
+        ElChe(model, optimizer, dataset_size=8, batch_size=2)

@@ -1,0 +1,40 @@
+"""Run a script under real torchrun (CPU, gloo) for the muster.train tests."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from muster.cli.local import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def torchrun(script: Path, *args: str, nproc: int = 2, timeout: float = 180) -> str:
+    """Run ``script`` on ``nproc`` local ranks; returns stdout, fails with stderr's tail."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(nproc),
+            "--max-restarts=0",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            str(script),
+            *args,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
