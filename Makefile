@@ -38,6 +38,8 @@ bench: setup
 	$(BIN)/python bench/store.py
 	$(BIN)/python bench/launch.py
 	$(BIN)/python bench/logs.py
+	$(BIN)/python bench/train_hetero.py
+	$(BIN)/python bench/gpu_check.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis *.egg-info

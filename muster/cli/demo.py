@@ -48,7 +48,7 @@ def demo(
 def summary(
     job: dict[str, object], lines: list[dict[str, object]], artifacts: list[dict[str, object]]
 ) -> None:
-    last: dict[int, str] = {}
+    last: dict[int, str] = {}  # each rank's last line about the loss, else its last line
     reduce: dict[int, str] = {}
     for line in lines:
         if line["origin"] != "rank":
@@ -56,13 +56,15 @@ def summary(
         rank, text = int(str(line["rank"])), str(line["text"])
         if "all_reduce" in text:
             reduce[rank] = text
-        if re.search(r"loss", text):
+        if re.search(r"loss", text) or not re.search(r"loss", last.get(rank, "")):
             last[rank] = text
     table = Table(title=f"{job['id']}: {job['state']}", box=None, header_style="bold")
-    for col in ("RANK", "ALL_REDUCE", "LAST"):
+    columns = ("RANK", "ALL_REDUCE", "LAST") if reduce else ("RANK", "LAST")
+    for col in columns:
         table.add_column(col)
     for rank in sorted(set(reduce) | set(last)):
-        table.add_row(str(rank), reduce.get(rank, "-"), last.get(rank, "-"))
+        cells = [str(rank), reduce.get(rank, "-"), last.get(rank, "-")]
+        table.add_row(*(cells if reduce else [cells[0], cells[2]]))
     out.print(table)
     if job.get("root_cause"):
         out.print(f"root cause: {job['root_cause']}", markup=False)

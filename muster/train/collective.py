@@ -58,7 +58,7 @@ def premul_sum_args(tensor: torch.Tensor, factor: float, backend: str) -> tuple[
     return dist.ReduceOp.SUM, True
 
 
-def _weighted_sum(tensors: list[torch.Tensor], factor: float, group: Any, backend: str) -> None:
+def weighted_sum(tensors: list[torch.Tensor], factor: float, group: Any, backend: str) -> None:
     """Replace every tensor by the cohort's sum of factor-scaled copies, one dtype at a time."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for tensor in tensors:
@@ -102,9 +102,9 @@ def average_round(
     if not is_realized(cohort_mass):
         return RoundResult(False, 1, cohort_mass, movers)
     params = _floating(model.parameters())
-    _weighted_sum(params, gamma_mass(batches, gamma) / cohort_mass, group, backend)
+    weighted_sum(params, gamma_mass(batches, gamma) / cohort_mass, group, backend)
     buffers = _floating(model.buffers())
     if not buffers:
         return RoundResult(True, 2, cohort_mass, movers)
-    _weighted_sum(buffers, mover_mass(batches) / movers, group, backend)
+    weighted_sum(buffers, mover_mass(batches) / movers, group, backend)
     return RoundResult(True, 3, cohort_mass, movers)
