@@ -52,6 +52,7 @@ def main() -> None:
         artifacts,
         demo,
         jobs,
+        k8s,
         logs,
         plan,
         server,

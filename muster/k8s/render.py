@@ -1,0 +1,380 @@
+"""Render a muster job spec as Kubeflow Trainer objects wired to the cluster fabric (seed 004).
+
+One job spec, the one the controller runs, becomes:
+- ``none``: a TrainJob against the ``torch-distributed`` ClusterTrainingRuntime;
+- ``tcpxo``: a namespaced TrainingRuntime carrying all the GKE TCPXO wiring (the sidecar
+  cannot live in a TrainJob) and a TrainJob that references it and carries no wiring;
+- ``efa`` / ``ib``: a TrainJob against ``torch-distributed`` with the device request beside the
+  GPUs in resourcesPerNode, the fabric's variables in spec.trainer.env, and IPC_LOCK (plus
+  /dev/shm for ib) through a runtime patch on the node container.
+
+The pod's code comes from the job's ``image`` (there is no bundle upload on Kubernetes): the
+entrypoint runs from the image's working directory. Trainer sets the PET_* variables that
+torchrun reads, so the command is ``torchrun <entrypoint>``. Every object passes
+``muster.k8s.rules.check`` before it is returned.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import yaml
+
+from muster.errors import FieldError, SpecError
+from muster.k8s import fabric as fab
+from muster.k8s.fabric import FABRICS, Fabric
+from muster.k8s.rules import TORCH_DISTRIBUTED, check
+from muster.spec.job import JobSpec
+
+TrainerVersion = Literal["2.2", "2.3"]
+TRAINER_VERSIONS: tuple[TrainerVersion, ...] = ("2.2", "2.3")
+API_VERSION = "trainer.kubeflow.org/v1alpha1"
+GROUP = "trainer.kubeflow.org"
+MANAGER = "muster.dev/fabric"  # our runtimePatches entry (managers are domain-prefixed)
+ANCESTOR = {"trainer.kubeflow.org/trainjob-ancestor-step": "trainer"}
+LABELS = {"app.kubernetes.io/managed-by": "muster"}
+
+
+@dataclass(frozen=True)
+class RenderOptions:
+    fabric: Fabric = "none"
+    trainer_version: TrainerVersion = "2.3"
+    namespace: str = "default"
+    runtime: str | None = None  # tcpxo: the TrainingRuntime to write; else the one to reference
+    gpu_nic_networks: tuple[str, ...] = ()
+    efa_count: int | None = None
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: tuple[dict[str, str], ...] = ()
+    nccl_env: Literal["inline", "profile"] = "inline"  # tcpxo: values inline, or source the profile
+    nccl_debug: str | None = None  # e.g. INFO for a verify-fabric run
+    tcpxo_daemon_image: str = fab.TCPXO_DAEMON_IMAGE
+
+
+@dataclass
+class Rendered:
+    objects: list[dict[str, Any]]
+    warnings: list[str]
+
+    def to_yaml(self) -> str:
+        return yaml.dump_all(self.objects, Dumper=_Dumper, sort_keys=False)
+
+
+class _Dumper(yaml.SafeDumper):
+    """Multi-line strings (the device list, the daemon's script) as literal blocks."""
+
+
+def _str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Dumper.add_representer(str, _str)
+
+
+def _env(items: dict[str, str]) -> list[dict[str, str]]:
+    return [{"name": k, "value": v} for k, v in items.items()]
+
+
+def _command(spec: JobSpec) -> list[str]:
+    module = spec.module
+    return ["torchrun", "-m", module] if module else ["torchrun", spec.entrypoint]
+
+
+def _refuse(errors: list[FieldError]) -> None:
+    if errors:
+        raise SpecError(errors, source="muster k8s render")
+
+
+def _validate(spec: JobSpec, options: RenderOptions) -> None:
+    errors: list[FieldError] = []
+    if options.fabric not in FABRICS:
+        errors.append(FieldError("--fabric", f"must be one of {', '.join(FABRICS)}"))
+    if options.trainer_version not in TRAINER_VERSIONS:
+        errors.append(
+            FieldError("--trainer-version", f"must be one of {', '.join(TRAINER_VERSIONS)}")
+        )
+    if not spec.image:
+        errors.append(
+            FieldError("image", "Kubernetes runs the job from a container image: set image:")
+        )
+    for name in spec.env:
+        if name.startswith("PET_"):
+            errors.append(
+                FieldError(
+                    f"env.{name}",
+                    "PET_* variables are Trainer's (it sets them for torchrun); remove it",
+                )
+            )
+    gpus = spec.resources.gpus
+    if options.fabric != "none" and gpus == 0:
+        errors.append(
+            FieldError("resources.gpus", f"the {options.fabric} fabric is for GPU nodes: set it")
+        )
+    if options.fabric == "tcpxo":
+        if gpus not in (0, fab.TCPXO_GPUS):
+            errors.append(
+                FieldError("resources.gpus", f"TCPXO needs all {fab.TCPXO_GPUS} GPUs of a node")
+            )
+        errors += _check_networks(list(options.gpu_nic_networks))
+    if options.fabric == "efa" and (options.efa_count is None or options.efa_count < 1):
+        errors.append(
+            FieldError(
+                "--efa-count",
+                "give the nodes' EFA count (4 on p4d, 32 on p5): read it with "
+                "`muster k8s preflight --fabric efa`, or `kubectl get nodes -o custom-columns="
+                "'NODE:.metadata.name,EFA:.status.allocatable.vpc\\.amazonaws\\.com/efa'`",
+            )
+        )
+    _refuse(errors)
+
+
+def _check_networks(networks: list[str]) -> list[FieldError]:
+    where = "--gpu-nic-networks"
+    hint = (
+        "list them with `kubectl get networks.networking.gke.io -o jsonpath="
+        "'{range .items[*]}{.metadata.name}{\"\\n\"}{end}' | grep gpu-nic`, or run "
+        "`muster k8s preflight --fabric tcpxo`"
+    )
+    if not networks:
+        return [FieldError(where, f"TCPXO needs the cluster's eight gpu-nic networks: {hint}")]
+    errors = []
+    if len(networks) != fab.TCPXO_NICS:
+        errors.append(FieldError(where, f"expected {fab.TCPXO_NICS} names, got {len(networks)}"))
+    for name in networks:
+        if "/" in name:
+            bare = name.rsplit("/", 1)[-1]
+            errors.append(
+                FieldError(where, f"{name!r} is a `-o name` form: give the bare name {bare!r}")
+            )
+        elif "gpu-nic" not in name:
+            errors.append(FieldError(where, f"{name!r} is not a gpu-nic network ({hint})"))
+        elif not re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", name):
+            errors.append(FieldError(where, f"{name!r} is not a Kubernetes object name"))
+    if len(set(networks)) != len(networks):
+        errors.append(FieldError(where, "a network is named twice; each NIC needs its own"))
+    return errors
+
+
+def _trainer_env(spec: JobSpec, options: RenderOptions, warnings: list[str]) -> dict[str, str]:
+    """The user's env, then the fabric's: fixed variables win (with a warning), others are
+    defaults the user may override."""
+    fixed_by_fabric = {
+        "none": {},
+        "tcpxo": {},  # tcpxo wiring lives in the runtime
+        "efa": fab.EFA_ENV,
+        "ib": fab.IB_ENV,
+    }[options.fabric]
+    env = dict(spec.env)
+    fixed = fab.FIXED[options.fabric]
+    for name, value in fixed_by_fabric.items():
+        if name in env and env[name] != value and name in fixed:
+            warnings.append(
+                f"env.{name}={env[name]!r} replaced by {value!r}: the {options.fabric} fabric "
+                "fixes it"
+            )
+            env[name] = value
+        env.setdefault(name, value)
+    if options.nccl_debug:
+        env["NCCL_DEBUG"] = options.nccl_debug
+    return env
+
+
+def _resources(spec: JobSpec, options: RenderOptions) -> dict[str, Any] | None:
+    gpus = spec.resources.gpus
+    if gpus == 0:
+        return None
+    need: dict[str, Any] = {fab.GPU: gpus}
+    if options.fabric == "efa":
+        need[fab.EFA] = options.efa_count
+    if options.fabric == "ib":
+        need[fab.RDMA] = 1
+    return {"limits": dict(need), "requests": dict(need)}
+
+
+def _node_patch(options: RenderOptions) -> dict[str, Any] | None:
+    """The runtimePatches entry for efa/ib/none: placement, IPC_LOCK, /dev/shm."""
+    pod: dict[str, Any] = {}
+    if options.node_selector:
+        pod["nodeSelector"] = dict(options.node_selector)
+    if options.tolerations:
+        pod["tolerations"] = [dict(t) for t in options.tolerations]
+    container: dict[str, Any] = {}
+    if options.fabric in ("efa", "ib"):
+        container["securityContext"] = fab.IPC_LOCK
+    if options.fabric == "ib":
+        container["volumeMounts"] = [fab.DSHM_MOUNT]
+        pod["volumes"] = [fab.DSHM_VOLUME]
+    if container:
+        pod["containers"] = [{"name": "node", **container}]
+    if not pod:
+        return None
+    return {
+        "manager": MANAGER,
+        "trainingRuntimeSpec": {
+            "template": {
+                "spec": {
+                    "replicatedJobs": [
+                        {"name": "node", "template": {"spec": {"template": {"spec": pod}}}}
+                    ]
+                }
+            }
+        },
+    }
+
+
+def _tcpxo_runtime(spec: JobSpec, options: RenderOptions, name: str) -> dict[str, Any]:
+    env = dict(fab.TCPXO_BASE_ENV)
+    if options.nccl_env == "inline":
+        env.update(fab.TCPXO_NCCL_ENV)
+    env.setdefault("NCCL_DEBUG", options.nccl_debug or "WARN")
+    pod_spec: dict[str, Any] = {}
+    if options.node_selector:
+        pod_spec["nodeSelector"] = dict(options.node_selector)
+    if options.tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in options.tolerations]
+    pod_spec["initContainers"] = [fab.tcpxo_daemon(options.tcpxo_daemon_image)]
+    need = {fab.GPU: fab.TCPXO_GPUS}
+    pod_spec["containers"] = [
+        {
+            "name": "node",
+            "image": spec.image,
+            "resources": {"limits": dict(need), "requests": dict(need)},
+            "securityContext": fab.IPC_LOCK,
+            "env": _env(env),
+            "volumeMounts": [
+                fab.DSHM_MOUNT,
+                {"name": "nvtcpxo-libraries", "mountPath": "/usr/local/nvidia", "readOnly": True},
+                {"name": "nvtcpxo-aperture-devices", "mountPath": "/dev/aperture_devices"},
+            ],
+        }
+    ]
+    pod_spec["volumes"] = [fab.DSHM_VOLUME] + [
+        {"name": volume, "hostPath": {"path": path}}
+        for volume, path in fab.TCPXO_HOST_PATHS.items()
+    ]
+    annotations = {
+        "devices.gke.io/container.tcpxo-daemon": "".join(
+            f"- path: {d}\n" for d in fab.TCPXO_DEVICES
+        ),
+        "networking.gke.io/default-interface": "eth0",
+        "networking.gke.io/interfaces": fab.tcpxo_interfaces(list(options.gpu_nic_networks)),
+    }
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "TrainingRuntime",
+        "metadata": {
+            "name": name,
+            "namespace": options.namespace,
+            "labels": {"trainer.kubeflow.org/framework": "torch", **LABELS},
+        },
+        "spec": {
+            "mlPolicy": {"numNodes": spec.gang.num_workers, "torch": {}},
+            "template": {
+                "spec": {
+                    "replicatedJobs": [
+                        {
+                            "name": "node",
+                            "template": {
+                                "metadata": {"labels": dict(ANCESTOR)},
+                                "spec": {
+                                    "template": {
+                                        "metadata": {"annotations": annotations},
+                                        "spec": pod_spec,
+                                    }
+                                },
+                            },
+                        }
+                    ]
+                }
+            },
+        },
+    }
+
+
+def render(spec: JobSpec, options: RenderOptions) -> Rendered:
+    """The objects to apply, in order, and what the user should know about them."""
+    _validate(spec, options)
+    warnings: list[str] = []
+    objects: list[dict[str, Any]] = []
+    gang = spec.gang
+    trainer: dict[str, Any] = {
+        "image": spec.image,
+        "command": _command(spec),
+        "numNodes": gang.num_workers,
+        "numProcPerNode": gang.procs_per_worker,
+    }
+    if spec.args:
+        trainer["args"] = list(spec.args)
+    if options.fabric == "tcpxo":
+        runtime_name = options.runtime or f"{spec.name}-tcpxo"
+        runtime = _tcpxo_runtime(spec, options, runtime_name)
+        objects.append(runtime)
+        ref = {"name": runtime_name, "kind": "TrainingRuntime", "apiGroup": GROUP}
+        if options.nccl_env == "profile":
+            entry = " ".join(_command(spec)[1:])
+            trainer["command"] = [
+                "/bin/bash",
+                "-c",
+                f'source {fab.TCPXO_PROFILE} && exec torchrun {entry} "$@"',
+                "torchrun",
+            ]
+        env = dict(spec.env)
+        if options.nccl_debug:
+            env["NCCL_DEBUG"] = options.nccl_debug
+        patch = None
+    else:
+        runtime = TORCH_DISTRIBUTED
+        ref = {
+            "name": options.runtime or "torch-distributed",
+            "kind": "ClusterTrainingRuntime",
+            "apiGroup": GROUP,
+        }
+        env = _trainer_env(spec, options, warnings)
+        resources = _resources(spec, options)
+        if resources is not None:
+            trainer["resourcesPerNode"] = resources
+            if options.trainer_version == "2.2":
+                warnings.append(
+                    "Trainer 2.2 replaces the runtime's resources with resourcesPerNode: it "
+                    f"repeats every resource the node needs ({', '.join(resources['limits'])})"
+                )
+        patch = _node_patch(options)
+    if env:
+        trainer["env"] = _env(env)
+    if options.fabric == "efa":
+        warnings.append(
+            "the image must carry the EFA stack (libfabric and aws-ofi-nccl, plugin under "
+            f"{fab.EFA_ENV['LD_LIBRARY_PATH']}); an ordinary PyTorch image falls back to sockets"
+        )
+    if options.fabric == "ib":
+        warnings.append(
+            "the image must carry rdma-core (libibverbs); without it NCCL logs "
+            "'NET/IB : No device found' and falls back to sockets"
+        )
+    job: dict[str, Any] = {
+        "apiVersion": API_VERSION,
+        "kind": "TrainJob",
+        "metadata": {
+            "name": spec.name,
+            "namespace": options.namespace,
+            "labels": {**spec.labels, **LABELS},
+        },
+        "spec": {"runtimeRef": ref, "trainer": trainer},
+    }
+    if patch is not None:
+        job["spec"]["runtimePatches"] = [patch]
+    if spec.timeout is not None:
+        job["spec"]["activeDeadlineSeconds"] = int(spec.timeout)
+    objects.append(job)
+    check(objects, runtime=runtime, trainer_version=options.trainer_version)
+    return Rendered(objects, warnings)
+
+
+def interfaces_of(runtime: dict[str, Any]) -> list[str]:
+    """The gpu-nic network names a rendered TCPXO runtime attaches (for status and tests)."""
+    pod = runtime["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]
+    value = pod["template"]["metadata"]["annotations"]["networking.gke.io/interfaces"]
+    return [e["network"] for e in json.loads(value)[1:]]
