@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import typer
 
-from muster.cli.main import app, err, reports_errors
+from muster.cli.main import app, err, out, reports_errors
 from muster.errors import FieldError, SpecError
+from muster.k8s.cluster import Check, Cluster, Preflight
 from muster.k8s.fabric import FABRICS
 from muster.k8s.render import TRAINER_VERSIONS, RenderOptions, render
+from muster.k8s.rules import check
 from muster.spec import load_job_file
 
 k8s = typer.Typer(
@@ -90,6 +93,29 @@ def options(
     )
 
 
+RuntimeOpt = typer.Option(
+    None, "--runtime", help="runtime name [tcpxo: JOB-tcpxo, written; else torch-distributed]"
+)
+NetworksOpt = typer.Option(
+    None, "--gpu-nic-networks", help="tcpxo: the eight gpu-nic Network names, comma-separated"
+)
+EfaOpt = typer.Option(None, "--efa-count", help="efa: EFA devices per node")
+SelectorOpt = typer.Option([], "--node-selector", help="KEY=VALUE (repeat)")
+TolerationOpt = typer.Option([], "--toleration", help="KEY[=VALUE][:EFFECT] (repeat)")
+NcclEnvOpt = typer.Option(
+    "inline", "--nccl-env", help="tcpxo: NCCL values inline, or `profile` (source the plugin's)"
+)
+NcclDebugOpt = typer.Option(
+    None, "--nccl-debug", help="set NCCL_DEBUG (INFO for a `muster verify-fabric` run)"
+)
+ContextOpt = typer.Option(None, "--context", help="kubeconfig context [default: current]")
+
+
+def _warn(warnings: list[str]) -> None:
+    for warning in warnings:
+        err.print(f"[yellow]warning:[/] {warning}", markup=True, highlight=False)
+
+
 @k8s.command("render")
 @reports_errors
 def render_cmd(
@@ -97,21 +123,13 @@ def render_cmd(
     fabric: str = FabricOpt,
     trainer_version: str = VersionOpt,
     namespace: str = NamespaceOpt,
-    runtime: str | None = typer.Option(
-        None, "--runtime", help="runtime name [tcpxo: JOB-tcpxo, written; else torch-distributed]"
-    ),
-    gpu_nic_networks: str | None = typer.Option(
-        None, "--gpu-nic-networks", help="tcpxo: the eight gpu-nic Network names, comma-separated"
-    ),
-    efa_count: int | None = typer.Option(None, "--efa-count", help="efa: EFA devices per node"),
-    node_selector: list[str] = typer.Option([], "--node-selector", help="KEY=VALUE (repeat)"),
-    toleration: list[str] = typer.Option([], "--toleration", help="KEY[=VALUE][:EFFECT] (repeat)"),
-    nccl_env: str = typer.Option(
-        "inline", "--nccl-env", help="tcpxo: NCCL values inline, or `profile` (source the plugin's)"
-    ),
-    nccl_debug: str | None = typer.Option(
-        None, "--nccl-debug", help="set NCCL_DEBUG (INFO for a `muster verify-fabric` run)"
-    ),
+    runtime: str | None = RuntimeOpt,
+    gpu_nic_networks: str | None = NetworksOpt,
+    efa_count: int | None = EfaOpt,
+    node_selector: list[str] = SelectorOpt,
+    toleration: list[str] = TolerationOpt,
+    nccl_env: str = NcclEnvOpt,
+    nccl_debug: str | None = NcclDebugOpt,
 ) -> None:
     """Print the Kubeflow Trainer objects for a job (a YAML stream for kubectl apply -f -)."""
     spec = load_job_file(job_file)
@@ -128,6 +146,125 @@ def render_cmd(
         nccl_debug,
     )
     rendered = render(spec, opts)
-    for warning in rendered.warnings:
-        err.print(f"[yellow]warning:[/] {warning}", markup=True, highlight=False)
+    _warn(rendered.warnings)
     typer.echo(rendered.to_yaml(), nl=False)
+
+
+def _fill_from_cluster(opts: RenderOptions, report: Preflight) -> RenderOptions:
+    """What the user left out and preflight read: the EFA count, the gpu-nic networks."""
+    if opts.fabric == "efa" and opts.efa_count is None and report.efa_count:
+        opts = replace(opts, efa_count=report.efa_count)
+    if opts.fabric == "tcpxo" and not opts.gpu_nic_networks and report.networks:
+        opts = replace(opts, gpu_nic_networks=tuple(report.networks))
+    return opts
+
+
+@k8s.command("preflight")
+@reports_errors
+def preflight_cmd(
+    job_file: Path = typer.Argument(..., help="the job's YAML file"),
+    fabric: str = FabricOpt,
+    trainer_version: str = VersionOpt,
+    namespace: str = NamespaceOpt,
+    runtime: str | None = RuntimeOpt,
+    gpu_nic_networks: str | None = NetworksOpt,
+    node_selector: list[str] = SelectorOpt,
+    context: str | None = ContextOpt,
+) -> None:
+    """Read the cluster: EFA counts agree, gpu-nic networks exist, the runtime exists."""
+    spec = load_job_file(job_file)
+    opts = options(
+        fabric, trainer_version, namespace, runtime, gpu_nic_networks, None, node_selector
+    )
+    cluster = Cluster.connect(namespace, context)
+    report = cluster.preflight(opts)
+    opts = _fill_from_cluster(opts, report)
+    if report.ok:
+        rendered = render(spec, opts)
+        ref = rendered.objects[-1]["spec"]["runtimeRef"]
+        target = (
+            rendered.objects[0] if opts.fabric == "tcpxo" else cluster.get(ref["kind"], ref["name"])
+        )
+        if target is not None:
+            check(rendered.objects[-1:], runtime=target, trainer_version=opts.trainer_version)
+            report.checks.append(Check("patches", True, "every patch target is in the runtime"))
+    for item in report.checks:
+        mark = "[green]ok[/]  " if item.ok else "[red]FAIL[/]"
+        out.print(f"{mark} {item.name}: ", end="", markup=True)
+        out.print(item.detail, markup=False)
+    if not report.ok:
+        raise typer.Exit(1)
+    flags = ""
+    if opts.fabric == "efa":
+        flags = f" --efa-count {opts.efa_count}"
+    if opts.fabric == "tcpxo":
+        flags = f" --gpu-nic-networks {','.join(opts.gpu_nic_networks)}"
+    out.print(f"render with: muster k8s render {job_file} --fabric {opts.fabric}{flags}")
+
+
+@k8s.command("apply")
+@reports_errors
+def apply_cmd(
+    job_file: Path = typer.Argument(..., help="the job's YAML file"),
+    fabric: str = FabricOpt,
+    trainer_version: str = VersionOpt,
+    namespace: str = NamespaceOpt,
+    runtime: str | None = RuntimeOpt,
+    gpu_nic_networks: str | None = NetworksOpt,
+    efa_count: int | None = EfaOpt,
+    node_selector: list[str] = SelectorOpt,
+    toleration: list[str] = TolerationOpt,
+    nccl_env: str = NcclEnvOpt,
+    nccl_debug: str | None = NcclDebugOpt,
+    context: str | None = ContextOpt,
+) -> None:
+    """Render and apply server-side (field manager muster); reads what is left out."""
+    spec = load_job_file(job_file)
+    opts = options(
+        fabric,
+        trainer_version,
+        namespace,
+        runtime,
+        gpu_nic_networks,
+        efa_count,
+        node_selector,
+        toleration,
+        nccl_env,
+        nccl_debug,
+    )
+    cluster = Cluster.connect(namespace, context)
+    if (fabric == "efa" and efa_count is None) or (fabric == "tcpxo" and not gpu_nic_networks):
+        opts = _fill_from_cluster(opts, cluster.preflight(opts))
+    rendered = render(spec, opts)
+    _warn(rendered.warnings)
+    for line in cluster.apply(rendered.objects, opts.trainer_version):
+        out.print(line, markup=False)
+
+
+@k8s.command("status")
+@reports_errors
+def status_cmd(
+    trainjob: str = typer.Argument(..., help="the TrainJob's name"),
+    namespace: str = NamespaceOpt,
+    context: str | None = ContextOpt,
+) -> None:
+    """A TrainJob's conditions and its node pods."""
+    status = Cluster.connect(namespace, context).status(trainjob)
+    conditions = status["conditions"] or [{"type": "-", "status": "no conditions yet"}]
+    for c in conditions:
+        line = f"{c.get('type')}={c.get('status')} {c.get('reason', '')} {c.get('message', '')}"
+        out.print(line.rstrip(), markup=False)
+    for pod in status["pods"]:
+        out.print(f"{pod['pod']}  {pod['phase']}  {pod['node'] or '-'}", markup=False)
+
+
+@k8s.command("logs")
+@reports_errors
+def logs_cmd(
+    trainjob: str = typer.Argument(..., help="the TrainJob's name"),
+    namespace: str = NamespaceOpt,
+    context: str | None = ContextOpt,
+) -> None:
+    """Every node pod's whole log, each line tagged with its pod (as kubectl --prefix)."""
+    for line in Cluster.connect(namespace, context).logs(trainjob):
+        typer.echo(line)

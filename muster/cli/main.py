@@ -58,6 +58,7 @@ def main() -> None:
         server,
         token,
         validate,
+        verify,
     )
 
     try:
