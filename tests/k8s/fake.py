@@ -1,0 +1,140 @@
+"""An in-memory stand-in for the kubernetes client's CoreV1Api and CustomObjectsApi.
+
+Only the methods muster.k8s.cluster calls, with the same signatures, and the API server's
+behaviour muster relies on: 404s, label selectors, server-side apply recording its field
+manager, and a TrainJob's immutable trainer refused with 422 as the CEL rule does.
+"""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+from typing import Any
+
+
+class ApiException(Exception):
+    def __init__(self, status: int, reason: str = "") -> None:
+        super().__init__(f"({status}) {reason}")
+        self.status = status
+        self.reason = reason
+
+
+def _matches(labels: dict[str, str], selector: str) -> bool:
+    for term in filter(None, selector.split(",")):
+        key, _, value = term.partition("=")
+        if labels.get(key) != value:
+            return False
+    return True
+
+
+def node(name: str, labels: dict[str, str], **allocatable: str) -> SimpleNamespace:
+    return SimpleNamespace(
+        metadata=SimpleNamespace(name=name, labels=labels),
+        status=SimpleNamespace(allocatable=dict(allocatable)),
+    )
+
+
+def pod(name: str, trainjob: str, log: str, phase: str = "Running") -> SimpleNamespace:
+    labels = {
+        "jobset.sigs.k8s.io/jobset-name": trainjob,
+        "jobset.sigs.k8s.io/replicatedjob-name": "node",
+    }
+    return SimpleNamespace(
+        metadata=SimpleNamespace(name=name, labels=labels),
+        status=SimpleNamespace(phase=phase),
+        spec=SimpleNamespace(node_name=f"host-of-{name}"),
+        log=log,
+    )
+
+
+class FakeCore:
+    def __init__(self) -> None:
+        self.node_list: list[SimpleNamespace] = []
+        self.pod_list: list[SimpleNamespace] = []
+        self.log_calls: list[dict[str, Any]] = []
+
+    def list_node(self, label_selector: str = "") -> SimpleNamespace:
+        return SimpleNamespace(
+            items=[n for n in self.node_list if _matches(n.metadata.labels, label_selector)]
+        )
+
+    def list_namespaced_pod(self, namespace: str, label_selector: str = "") -> SimpleNamespace:
+        return SimpleNamespace(
+            items=[p for p in self.pod_list if _matches(p.metadata.labels, label_selector)]
+        )
+
+    def read_namespaced_pod_log(self, name: str, namespace: str, **kwargs: Any) -> str:
+        self.log_calls.append({"name": name, **kwargs})
+        for p in self.pod_list:
+            if p.metadata.name == name:
+                return str(p.log)
+        raise ApiException(404, f"pod {name} not found")
+
+
+class FakeCustom:
+    """Objects keyed by (plural, namespace or None, name)."""
+
+    def __init__(self) -> None:
+        self.objects: dict[tuple[str, str | None, str], dict[str, Any]] = {}
+        self.managers: list[str] = []
+        self.deleted: list[str] = []
+        self.cluster_lists: dict[tuple[str, str], list[dict[str, Any]]] = {}
+
+    def _get(self, plural: str, namespace: str | None, name: str) -> dict[str, Any]:
+        try:
+            return copy.deepcopy(self.objects[(plural, namespace, name)])
+        except KeyError:
+            raise ApiException(404, f"{plural} {name} not found") from None
+
+    def get_cluster_custom_object(
+        self, group: str, version: str, plural: str, name: str
+    ) -> dict[str, Any]:
+        return self._get(plural, None, name)
+
+    def get_namespaced_custom_object(
+        self, group: str, version: str, namespace: str, plural: str, name: str
+    ) -> dict[str, Any]:
+        return self._get(plural, namespace, name)
+
+    def list_cluster_custom_object(self, group: str, version: str, plural: str) -> dict[str, Any]:
+        if (group, plural) not in self.cluster_lists:
+            raise ApiException(404, f"the server could not find {plural}.{group}")
+        return {"items": copy.deepcopy(self.cluster_lists[(group, plural)])}
+
+    def _apply(
+        self, key: tuple[str, str | None, str], body: dict[str, Any], kwargs: dict[str, Any]
+    ) -> dict[str, Any]:
+        assert kwargs.get("_content_type") == "application/apply-patch+yaml"
+        self.managers.append(kwargs["field_manager"])
+        old = self.objects.get(key)
+        if old is not None and key[0] == "trainjobs":
+            for part in ("trainer", "runtimeRef"):
+                if old["spec"].get(part) != body["spec"].get(part):
+                    raise ApiException(422, f"spec.{part}: Invalid value: field is immutable")
+        self.objects[key] = copy.deepcopy(body)
+        return body
+
+    def patch_namespaced_custom_object(
+        self,
+        group: str,
+        version: str,
+        namespace: str,
+        plural: str,
+        name: str,
+        body: dict[str, Any],
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        return self._apply((plural, namespace, name), body, kwargs)
+
+    def patch_cluster_custom_object(
+        self, group: str, version: str, plural: str, name: str, body: dict[str, Any], **kwargs: Any
+    ) -> dict[str, Any]:
+        return self._apply((plural, None, name), body, kwargs)
+
+    def delete_namespaced_custom_object(
+        self, group: str, version: str, namespace: str, plural: str, name: str, **kwargs: Any
+    ) -> dict[str, Any]:
+        if self.objects.pop((plural, namespace, name), None) is None:
+            raise ApiException(404, f"{plural} {name} not found")
+        self.deleted.append(f"{plural}/{name}")
+        return {}

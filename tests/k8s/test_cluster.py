@@ -1,0 +1,188 @@
+"""The cluster commands at the client seam: muster.k8s.cluster against an in-memory API."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from muster.errors import UserError
+from muster.k8s.cluster import Cluster
+from muster.k8s.render import RenderOptions, render
+from muster.k8s.rules import TORCH_DISTRIBUTED
+from muster.k8s.verify import analyse
+from muster.spec import parse_job
+from tests.k8s.fake import FakeCore, FakeCustom, node, pod
+
+GPU_POOL = {"pool": "gpu"}
+JOB: dict[str, Any] = {
+    "name": "llama-ft",
+    "image": "ghcr.io/example/llama-ft:1.0",
+    "entrypoint": "train.py",
+    "resources": {"gpus": 8},
+    "distributed": {"num_workers": 2, "procs_per_worker": 8, "backend": "nccl"},
+}
+
+
+@pytest.fixture
+def api() -> tuple[FakeCore, FakeCustom]:
+    core, custom = FakeCore(), FakeCustom()
+    custom.objects[("clustertrainingruntimes", None, "torch-distributed")] = copy.deepcopy(
+        TORCH_DISTRIBUTED
+    )
+    return core, custom
+
+
+def cluster(api: tuple[FakeCore, FakeCustom]) -> Cluster:
+    return Cluster(api[0], api[1], namespace="ml")
+
+
+def test_efa_count_is_read_from_every_eligible_node(api: tuple[FakeCore, FakeCustom]) -> None:
+    core, _ = api
+    core.node_list = [
+        node(f"p5-{i}", GPU_POOL, **{"nvidia.com/gpu": "8", "vpc.amazonaws.com/efa": "32"})
+        for i in range(3)
+    ] + [node("cpu-0", {"pool": "cpu"}, cpu="16")]
+    report = cluster(api).preflight(RenderOptions(fabric="efa", node_selector=GPU_POOL))
+    assert report.ok, report.checks
+    assert report.efa_count == 32
+    assert any(c.name == "runtime" and c.ok for c in report.checks)
+
+
+def test_nodes_that_disagree_on_efa_fail_by_name(api: tuple[FakeCore, FakeCustom]) -> None:
+    core, _ = api
+    core.node_list = [
+        node("p5-0", GPU_POOL, **{"nvidia.com/gpu": "8", "vpc.amazonaws.com/efa": "32"}),
+        node("p4d-0", GPU_POOL, **{"nvidia.com/gpu": "8", "vpc.amazonaws.com/efa": "4"}),
+    ]
+    report = cluster(api).preflight(RenderOptions(fabric="efa", node_selector=GPU_POOL))
+    assert not report.ok
+    (efa,) = [c for c in report.checks if c.name == "efa"]
+    assert "p4d-0=4" in efa.detail
+    assert "p5-0=32" in efa.detail
+    assert "--node-selector" in efa.detail
+    assert report.efa_count is None
+
+
+def test_gpu_nic_networks_are_read_and_checked(api: tuple[FakeCore, FakeCustom]) -> None:
+    _, custom = api
+    names = [f"aicr-demo-gpu-nic-{i}" for i in range(8)]
+    custom.cluster_lists[("networking.gke.io", "networks")] = [
+        {"metadata": {"name": n}} for n in ["default", *reversed(names)]
+    ]
+    report = cluster(api).preflight(RenderOptions(fabric="tcpxo"))
+    assert report.ok, report.checks
+    assert report.networks == names  # gpu-nic only, in NIC order
+    wrong = RenderOptions(fabric="tcpxo", gpu_nic_networks=(*names[:7], "other-gpu-nic-7"))
+    report = cluster(api).preflight(wrong)
+    assert not report.ok
+    assert "not on the cluster: other-gpu-nic-7" in report.checks[0].detail
+
+
+def test_a_cluster_without_gke_networks_fails_tcpxo(api: tuple[FakeCore, FakeCustom]) -> None:
+    report = cluster(api).preflight(RenderOptions(fabric="tcpxo"))
+    assert not report.ok
+    assert "found 0 gpu-nic networks" in report.checks[0].detail
+
+
+def test_a_missing_runtime_fails_preflight(api: tuple[FakeCore, FakeCustom]) -> None:
+    report = cluster(api).preflight(RenderOptions(runtime="torch-custom"))
+    assert not report.ok
+    assert "ClusterTrainingRuntime torch-custom not found" in report.checks[-1].detail
+
+
+def test_apply_is_server_side_and_recreates_on_a_changed_trainer(
+    api: tuple[FakeCore, FakeCustom],
+) -> None:
+    _, custom = api
+    c = cluster(api)
+    objects = render(parse_job(JOB), RenderOptions(namespace="ml")).objects
+    assert c.apply(objects, "2.3") == [
+        "TrainJob llama-ft applied (server-side, field manager muster)"
+    ]
+    assert custom.managers == ["muster"]
+    assert c.get("TrainJob", "llama-ft") == objects[0]
+    # Same trainer: a plain re-apply.
+    assert "applied" in c.apply(objects, "2.3")[0]
+    assert custom.deleted == []
+    # A new argument changes the immutable trainer block: delete, then create.
+    changed = render(parse_job({**JOB, "args": ["--lr", "3e-4"]}), RenderOptions(namespace="ml"))
+    (line,) = c.apply(changed.objects, "2.3")
+    assert "recreated: trainer cannot change in place" in line
+    assert custom.deleted == ["trainjobs/llama-ft"]
+    assert c.get("TrainJob", "llama-ft")["spec"]["trainer"]["args"] == ["--lr", "3e-4"]
+
+
+def test_apply_writes_the_tcpxo_runtime_first(api: tuple[FakeCore, FakeCustom]) -> None:
+    _, custom = api
+    nets = tuple(f"gpu-nic-{i}" for i in range(8))
+    objects = render(
+        parse_job(JOB), RenderOptions(fabric="tcpxo", namespace="ml", gpu_nic_networks=nets)
+    ).objects
+    lines = cluster(api).apply(objects, "2.2")
+    assert [line.split()[0] for line in lines] == ["TrainingRuntime", "TrainJob"]
+    assert ("trainingruntimes", "ml", "llama-ft-tcpxo") in custom.objects
+
+
+def test_apply_refuses_a_runtime_the_cluster_lacks(api: tuple[FakeCore, FakeCustom]) -> None:
+    objects = render(parse_job(JOB), RenderOptions(runtime="torch-custom")).objects
+    with pytest.raises(UserError, match="references ClusterTrainingRuntime torch-custom"):
+        cluster(api).apply(objects, "2.3")
+
+
+def test_logs_are_whole_and_tagged_by_pod_and_feed_verify_fabric(
+    api: tuple[FakeCore, FakeCustom],
+) -> None:
+    core, _ = api
+    banner = "{host}:{pid}:{pid} [0] NCCL INFO Using network {net}\nstep 0 loss 2.3\n"
+    core.pod_list = [
+        pod("llama-ft-node-0-1-bbb", "llama-ft", banner.format(host="b", pid=7, net="Socket")),
+        pod("llama-ft-node-0-0-aaa", "llama-ft", banner.format(host="a", pid=5, net="IB")),
+        pod("other-node-0-0-ccc", "other", "unrelated\n"),
+    ]
+    lines = cluster(api).logs("llama-ft")
+    assert lines[0] == "[pod/llama-ft-node-0-0-aaa/node] a:5:5 [0] NCCL INFO Using network IB"
+    assert len(lines) == 4
+    assert all("tail_lines" not in call for call in core.log_calls)  # the whole log
+    assert all(call["container"] == "node" for call in core.log_calls)
+    report = analyse(lines, "ib")
+    assert report.verdict == "fallback"
+    assert "llama-ft-node-0-1-bbb pid 7" in report.summary
+
+
+def test_status_lists_conditions_and_pods(api: tuple[FakeCore, FakeCustom]) -> None:
+    core, custom = api
+    job = render(parse_job(JOB), RenderOptions(namespace="ml")).objects[0]
+    job["status"] = {"conditions": [{"type": "Complete", "status": "True"}]}
+    custom.objects[("trainjobs", "ml", "llama-ft")] = job
+    core.pod_list = [pod("llama-ft-node-0-0-aaa", "llama-ft", "", phase="Succeeded")]
+    status = cluster(api).status("llama-ft")
+    assert status["conditions"] == [{"type": "Complete", "status": "True"}]
+    assert status["pods"] == [
+        {
+            "pod": "llama-ft-node-0-0-aaa",
+            "phase": "Succeeded",
+            "node": "host-of-llama-ft-node-0-0-aaa",
+        }
+    ]
+    with pytest.raises(UserError, match="TrainJob nope not found in namespace ml"):
+        cluster(api).status("nope")
+
+
+def test_without_a_kubeconfig_the_cli_says_so(tmp_path: Any) -> None:
+    env = dict(os.environ, KUBECONFIG=str(tmp_path / "missing"), HOME=str(tmp_path))
+    env.pop("KUBERNETES_SERVICE_HOST", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "muster", "k8s", "status", "llama-ft"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env=env,
+    )
+    assert done.returncode != 0
+    assert "no kubeconfig" in done.stderr
