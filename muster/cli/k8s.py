@@ -9,6 +9,7 @@ import typer
 
 from muster.cli.main import app, err, out, reports_errors
 from muster.errors import FieldError, SpecError
+from muster.k8s import fabric as fab
 from muster.k8s.cluster import Check, Cluster, Preflight
 from muster.k8s.fabric import FABRICS
 from muster.k8s.render import TRAINER_VERSIONS, RenderOptions, render
@@ -68,6 +69,7 @@ def options(
     toleration: list[str] | None = None,
     nccl_env: str = "inline",
     nccl_debug: str | None = None,
+    tcpxo_daemon_image: str | None = None,
 ) -> RenderOptions:
     errors = []
     if fabric not in FABRICS:
@@ -90,6 +92,7 @@ def options(
         tolerations=_tolerations(toleration or []),
         nccl_env=nccl_env,  # type: ignore[arg-type]
         nccl_debug=nccl_debug,
+        tcpxo_daemon_image=tcpxo_daemon_image or fab.TCPXO_DAEMON_IMAGE,
     )
 
 
@@ -107,6 +110,9 @@ NcclEnvOpt = typer.Option(
 )
 NcclDebugOpt = typer.Option(
     None, "--nccl-debug", help="set NCCL_DEBUG (INFO for a `muster verify-fabric` run)"
+)
+DaemonOpt = typer.Option(
+    None, "--tcpxo-daemon-image", help="tcpxo: the daemon image paired with your NCCL plugin"
 )
 ContextOpt = typer.Option(None, "--context", help="kubeconfig context [default: current]")
 
@@ -130,6 +136,7 @@ def render_cmd(
     toleration: list[str] = TolerationOpt,
     nccl_env: str = NcclEnvOpt,
     nccl_debug: str | None = NcclDebugOpt,
+    tcpxo_daemon_image: str | None = DaemonOpt,
 ) -> None:
     """Print the Kubeflow Trainer objects for a job (a YAML stream for kubectl apply -f -)."""
     spec = load_job_file(job_file)
@@ -144,6 +151,7 @@ def render_cmd(
         toleration,
         nccl_env,
         nccl_debug,
+        tcpxo_daemon_image,
     )
     rendered = render(spec, opts)
     _warn(rendered.warnings)
@@ -216,6 +224,7 @@ def apply_cmd(
     toleration: list[str] = TolerationOpt,
     nccl_env: str = NcclEnvOpt,
     nccl_debug: str | None = NcclDebugOpt,
+    tcpxo_daemon_image: str | None = DaemonOpt,
     context: str | None = ContextOpt,
 ) -> None:
     """Render and apply server-side (field manager muster); reads what is left out."""
@@ -231,6 +240,7 @@ def apply_cmd(
         toleration,
         nccl_env,
         nccl_debug,
+        tcpxo_daemon_image,
     )
     cluster = Cluster.connect(namespace, context)
     if (fabric == "efa" and efa_count is None) or (fabric == "tcpxo" and not gpu_nic_networks):

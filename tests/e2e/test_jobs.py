@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import re
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -145,3 +147,29 @@ def test_cancel_stops_a_running_job(cluster: LocalCluster, tmp_path: Path) -> No
     members = wait_state(api, job_id)["members"]
     assert all(m["state"] in ("cancelled", "failed") for m in members)
     cluster.wait_for_workers(2, timeout=30)
+
+
+NCCL_BANNER = """
+import os, socket
+rank = int(os.environ["RANK"])
+net = "Socket" if rank == 3 else "IB"
+print(f"{socket.gethostname()}:{os.getpid()}:{os.getpid()} [{os.environ['LOCAL_RANK']}] "
+      f"NCCL INFO Using network {net}", flush=True)
+"""
+
+
+def test_verify_fabric_reads_a_jobs_stored_logs(cluster: LocalCluster, tmp_path: Path) -> None:
+    api = cluster.client()
+    job_id = submit(api, write_job(tmp_path / "nccl", "nccl-banner", NCCL_BANNER))
+    assert wait_state(api, job_id)["state"] == "succeeded"
+    done = subprocess.run(
+        [sys.executable, "-m", "muster", "verify-fabric", "--job", job_id, "--fabric", "ib"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={"MUSTER_CONTROLLER": cluster.url, "PATH": "/usr/bin:/bin", "COLUMNS": "200"},
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "1 of 4 rank(s) use network Socket" in done.stdout
+    assert "rank3 pid" in done.stdout
