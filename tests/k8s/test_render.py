@@ -81,6 +81,19 @@ def test_strict_mode_catches_a_typo() -> None:
     job = json.loads(json.dumps(objects[0]))
     job["spec"]["trainer"]["numNode"] = 2
     assert any("numNode" in e for e in errors(job, "2.3"))
+    # deep in a runtime's pod template, and in a runtime patch
+    objects, _ = rendered("tcpxo", "2.2")
+    runtime = json.loads(json.dumps(by_kind(objects, "TrainingRuntime")))
+    pod = runtime["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]
+    pod["template"]["spec"]["initContainers"][0]["restartPolicyy"] = "Always"
+    assert any("restartPolicyy" in e for e in errors(runtime, "2.2"))
+    objects, _ = rendered("efa", "2.2")
+    job = json.loads(json.dumps(objects[0]))
+    patch = job["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]
+    patch["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0][
+        "securityContxt"
+    ] = {}
+    assert any("securityContxt" in e for e in errors(job, "2.2"))
 
 
 def test_none_is_a_trainjob_against_torch_distributed() -> None:
