@@ -186,3 +186,41 @@ def test_without_a_kubeconfig_the_cli_says_so(tmp_path: Any) -> None:
     )
     assert done.returncode != 0
     assert "no kubeconfig" in done.stderr
+
+
+def test_preflight_and_apply_commands_fill_in_what_the_cluster_tells(
+    api: tuple[FakeCore, FakeCustom], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from typer.testing import CliRunner
+
+    from muster.cli import k8s as k8s_cli
+    from muster.cli.main import app
+    from tests.cli.test_validate_plan import ROOT
+
+    core, custom = api
+    core.node_list = [
+        node(f"p5-{i}", GPU_POOL, **{"nvidia.com/gpu": "8", "vpc.amazonaws.com/efa": "32"})
+        for i in range(2)
+    ]
+    monkeypatch.setattr(
+        k8s_cli.Cluster, "connect", classmethod(lambda cls, ns, ctx: Cluster(core, custom, ns))
+    )
+    job = str(ROOT / "examples/k8s/job.yaml")
+    runner = CliRunner()
+    done = runner.invoke(
+        app, ["k8s", "preflight", job, "--fabric", "efa", "--node-selector", "pool=gpu"]
+    )
+    assert done.exit_code == 0, done.output
+    assert "2 node(s), 32 EFA devices each" in done.output
+    assert "every patch target is in the runtime" in done.output
+    assert "--efa-count 32" in done.output
+    done = runner.invoke(app, ["k8s", "apply", job, "--fabric", "efa", "-n", "ml"])
+    assert done.exit_code == 0, done.output
+    stored = custom.objects[("trainjobs", "ml", "llama-ft")]
+    assert stored["spec"]["trainer"]["resourcesPerNode"]["limits"]["vpc.amazonaws.com/efa"] == 32
+    core.node_list.append(
+        node("p4d-0", GPU_POOL, **{"nvidia.com/gpu": "8", "vpc.amazonaws.com/efa": "4"})
+    )
+    done = runner.invoke(app, ["k8s", "preflight", job, "--fabric", "efa"])
+    assert done.exit_code == 1
+    assert "FAIL efa" in done.output
