@@ -36,3 +36,17 @@ def test_bad_flags_are_named_with_the_fix() -> None:
     assert done.returncode == 2
     assert "--efa-count" in done.stderr
     assert done.stdout == ""
+
+
+def test_the_kubernetes_client_is_imported_only_to_reach_a_cluster() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from muster.cli import k8s, verify\n"
+        "from muster.k8s import cluster, render\n"
+        "assert 'kubernetes' not in sys.modules, 'imported eagerly'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
