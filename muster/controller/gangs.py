@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -72,6 +73,8 @@ class Controller:
         # LOGS frames wait here for the ingest task; bounded, so a flood slows the agents'
         # links (and so their acks) instead of growing without end.
         self._logs: asyncio.Queue[tuple[Link, str, Any, Any]] = asyncio.Queue(maxsize=256)
+        # Who may send a job's log lines: the workers placed in it (any epoch), newest jobs.
+        self._log_senders: OrderedDict[str, set[str]] = OrderedDict()
 
     async def db(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run a store call off the event loop."""
@@ -158,6 +161,7 @@ class Controller:
                     bundle=bundles[decision.job_id],
                 )
                 self.runs[run.job_id] = run
+                self._note_senders(run.job_id, run.workers)
                 await self._start_rendezvous(run)
 
     async def _start_rendezvous(self, run: GangRun) -> None:
@@ -224,6 +228,19 @@ class Controller:
             and node not in run.exited
         ]
 
+    def _note_senders(self, job_id: str, workers: list[str]) -> None:
+        self._log_senders.setdefault(job_id, set()).update(workers)
+        self._log_senders.move_to_end(job_id)
+        while len(self._log_senders) > 4096:
+            self._log_senders.popitem(last=False)
+
+    async def _may_log(self, job_id: str, worker_id: str) -> bool:
+        """Whether the worker was placed in the job (else its LOGS frame is refused)."""
+        if worker_id not in self._log_senders.get(job_id, ()):
+            members = await self.db(self.store.members, job_id)
+            self._note_senders(job_id, [m.worker_id for m in members])
+        return worker_id in self._log_senders[job_id]
+
     async def ingest(self, most: int = 40_000) -> None:
         """Store queued LOGS frames: whatever has queued up (up to ``most`` lines) goes in
         one transaction, then each frame is acked. Runs for the controller's life."""
@@ -238,6 +255,11 @@ class Controller:
             for link, job, lines, batch in frames:
                 if not isinstance(lines, list):
                     self.metrics.frames_refused.labels("malformed").inc()
+                    continue
+                if not await self._may_log(job, link.worker_id):
+                    self.metrics.frames_refused.labels("foreign").inc()
+                    log.warning("%s sent log lines for %s, not its job", link.worker_id, job)
+                    await link.send(Kind.LOGS_ACK, {"job": job, "batch": batch})  # not resent
                     continue
                 by_job.setdefault(job, []).extend(lines)
                 good.append((link, job, batch))

@@ -23,7 +23,7 @@ class Metrics:
         )
         self.frames_refused = Counter(
             "muster_frames_refused",
-            "Control-link frames refused, by reason (auth, malformed, forged, replayed)",
+            "Control-link frames refused, by reason (auth, malformed, forged, replayed, foreign)",
             ["reason"],
             registry=self.registry,
         )

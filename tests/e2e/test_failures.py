@@ -124,6 +124,21 @@ def test_hostile_frames_are_refused_and_counted(tmp_path: Path) -> None:
         job_id = submit(api, write_job(tmp_path / "ok", "after", "print('fine')\n"))
         assert wait_state(api, job_id)["state"] == "succeeded"
 
+        # A worker that was not placed in the job cannot write into its logs.
+        with connect(url) as ws:
+            cnonce, anonce = authenticate(ws, "probe", token)
+            codec = wire.LinkCodec(
+                wire.session_key(token, cnonce, anonce),
+                send=wire.TO_CONTROLLER,
+                receive=wire.TO_AGENT,
+            )
+            assert codec.decode(ws.recv(timeout=10)).kind is Kind.WELCOME
+            forged_line = ["rank", 0, 999_999, time.time(), "stdout", "planted by probe"]
+            ws.send(codec.encode(Kind.LOGS, {"job": job_id, "batch": 1, "lines": [forged_line]}))
+            assert codec.decode(ws.recv(timeout=10)).kind is Kind.LOGS_ACK
+        assert metric(cluster, "muster_frames_refused", "foreign") == 1
+        assert not any("planted" in line["text"] for line in all_lines(api, job_id))
+
 
 def test_controller_restart_keeps_history_and_persistent_agents_return(tmp_path: Path) -> None:
     cluster = LocalCluster(agents=2, agent_args=["--persist"])
