@@ -9,6 +9,8 @@ premultiply-sum) and checks, on every rank:
   and is right;
 - average_round on a model with float and integer buffers: identical parameters on every rank,
   the weighted average, integer buffers untouched;
+- ElChe's per-batch delivered rate on CUDA matches a synchronized measurement (CUDA events,
+  not the host clock, which would time only the kernel launches);
 - time of one average_round on a ~25M-parameter fp32 model against one plain all_reduce (SUM)
   of the same flat tensor (the anchor); prints both medians and the ratio.
 
@@ -80,6 +82,35 @@ def worker() -> None:
     check("weighted average", torch.allclose(weight, torch.full_like(weight, want)))
     check("integer buffer stays local", int(model[1].num_batches_tracked) == rank + 7)
     check("three collectives", result.collectives == 3)
+
+    # ElChe's stopwatch on CUDA times the work, not the kernel launches.
+    from muster.train.elche import ElChe
+
+    net = nn.Sequential(*[nn.Linear(4096, 4096) for _ in range(4)]).to(device)
+    opt = torch.optim.SGD(net.parameters(), lr=1e-6)
+    data = torch.randn(64 * 512, 4096, device=device)
+
+    def work(xb: torch.Tensor) -> None:
+        opt.zero_grad(set_to_none=True)
+        net(xb).square().mean().backward()
+        opt.step()
+
+    for i in range(5):  # warm up
+        work(data[i * 512 : (i + 1) * 512])
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i in range(20):
+        work(data[i * 512 : (i + 1) * 512])
+    torch.cuda.synchronize()
+    truth = (time.perf_counter() - t0) / 20 * 1e3
+    elche = ElChe(net, opt, dataset_size=len(data), batch_size=512, anchor_batches=8)
+    for xb in elche.epoch(0, fetch=lambda idx: data[idx.to(device)]):
+        work(xb)
+    measured = elche.schedule.rate_ms(rank, "delivered") or 0.0
+    print(
+        f"rank {rank} per batch: synchronized {truth:.2f} ms, ElChe {measured:.2f} ms", flush=True
+    )
+    check("ElChe's delivered rate is the GPU's time", 0.7 <= measured / truth <= 1.5)
 
     # Cost: average_round against one plain all_reduce of the same bytes.
     big = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(6)]).to(device)

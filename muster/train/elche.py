@@ -73,6 +73,50 @@ class CollectiveBackend:
         return average_round(model, batches, gamma, self.group, side)
 
 
+class Stopwatch:
+    """One window's per-batch times, in ms: delivered (from the end of the previous batch, or
+    the window's start, to the end of this one) and compute (from the batch being handed over
+    to its end).
+
+    On a GPU the host runs ahead of the device (kernel launches return at once), so the host
+    clock would time the launches, not the work: there the points are CUDA events on the
+    current stream, read once at the end of the window.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.start = self._point()
+        self.readies: list[Any] = []
+        self.dones: list[Any] = []
+
+    def _point(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def ready(self) -> None:
+        self.readies.append(self._point())
+
+    def done(self) -> None:
+        self.dones.append(self._point())
+
+    def _ms(self, a: Any, b: Any) -> float:
+        return float(a.elapsed_time(b)) if self.cuda else (b - a) * 1e3
+
+    def report(self) -> WindowReport:
+        if self.cuda and self.dones:
+            self.dones[-1].synchronize()
+        delivered, compute = [], []
+        previous = self.start
+        for ready, done in zip(self.readies, self.dones, strict=True):
+            delivered.append(self._ms(previous, done))
+            compute.append(self._ms(ready, done))
+            previous = done
+        return WindowReport(delivered, compute)
+
+
 class ElChe:
     """Heterogeneity-aware data parallel training over an initialized process group."""
 
@@ -120,6 +164,7 @@ class ElChe:
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.backend: AverageBackend = CollectiveBackend(group)
+        self.device = next(model.parameters()).device
         self.sampler = WindowSampler(
             dataset_size, batch_size, rank=self.rank, world=self.world, seed=seed, shuffle=shuffle
         )
@@ -163,19 +208,14 @@ class ElChe:
         while (left := self.sampler.remaining_batches) > 0:
             self.counts = self._plan(left)
             mine = self.sampler.deal(self.counts)
-            delivered: list[float] = []
-            compute: list[float] = []
-            mark = time.perf_counter()
+            watch = Stopwatch(self.device)
             for indices in mine:
                 item = fetch(indices) if fetch is not None else indices
-                ready = time.perf_counter()
+                watch.ready()
                 yield item
-                done = time.perf_counter()
-                delivered.append((done - mark) * 1e3)
-                compute.append((done - ready) * 1e3)
-                mark = done
+                watch.done()
                 self.batches_run += 1
-            self._round(WindowReport(delivered, compute).summary())
+            self._round(watch.report().summary())
 
     def step(self, loss: torch.Tensor) -> None:
         """The usual step: zero the gradients, backpropagate ``loss``, step the optimizer."""
