@@ -71,7 +71,7 @@ def create_app(config: ControllerConfig) -> FastAPI:
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         tasks = [
             asyncio.create_task(controller.supervise()),
-            asyncio.create_task(controller.ingest()),
+            asyncio.create_task(controller.logs.run()),
         ]
         controller.request_pass()
         try:

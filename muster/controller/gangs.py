@@ -19,11 +19,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from muster.controller.ingest import LogIngest
 from muster.controller.links import Link
 from muster.controller.metrics import Metrics
 from muster.errors import BadRequest, MusterError, PlacementConflict
@@ -70,11 +70,7 @@ class Controller:
         self.runs: dict[str, GangRun] = {}
         self.lock = asyncio.Lock()
         self._wake = asyncio.Event()
-        # LOGS frames wait here for the ingest task; bounded, so a flood slows the agents'
-        # links (and so their acks) instead of growing without end.
-        self._logs: asyncio.Queue[tuple[Link, str, Any, Any]] = asyncio.Queue(maxsize=256)
-        # Who may send a job's log lines: the workers placed in it (any epoch), newest jobs.
-        self._log_senders: OrderedDict[str, set[str]] = OrderedDict()
+        self.logs = LogIngest(store, metrics)
 
     async def db(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run a store call off the event loop."""
@@ -161,7 +157,7 @@ class Controller:
                     bundle=bundles[decision.job_id],
                 )
                 self.runs[run.job_id] = run
-                self._note_senders(run.job_id, run.workers)
+                self.logs.note_senders(run.job_id, run.workers)
                 await self._start_rendezvous(run)
 
     async def _start_rendezvous(self, run: GangRun) -> None:
@@ -195,7 +191,7 @@ class Controller:
         if kind is Kind.HEARTBEAT:
             await link.send(Kind.HEARTBEAT_ACK, {"stop": self._stops_for(link.worker_id)})
         elif kind is Kind.LOGS:
-            await self._logs.put((link, str(body.get("job")), body.get("lines"), body.get("batch")))
+            await self.logs.put(link, body)
         elif kind is Kind.INVENTORY:
             await self._inventory(link, body)
         else:
@@ -227,51 +223,6 @@ class Controller:
             and node in run.started
             and node not in run.exited
         ]
-
-    def _note_senders(self, job_id: str, workers: list[str]) -> None:
-        self._log_senders.setdefault(job_id, set()).update(workers)
-        self._log_senders.move_to_end(job_id)
-        while len(self._log_senders) > 4096:
-            self._log_senders.popitem(last=False)
-
-    async def _may_log(self, job_id: str, worker_id: str) -> bool:
-        """Whether the worker was placed in the job (else its LOGS frame is refused)."""
-        if worker_id not in self._log_senders.get(job_id, ()):
-            members = await self.db(self.store.members, job_id)
-            self._note_senders(job_id, [m.worker_id for m in members])
-        return worker_id in self._log_senders[job_id]
-
-    async def ingest(self, most: int = 40_000) -> None:
-        """Store queued LOGS frames: whatever has queued up (up to ``most`` lines) goes in
-        one transaction, then each frame is acked. Runs for the controller's life."""
-        while True:
-            frames = [await self._logs.get()]
-            count = len(frames[0][2] or [])
-            while count < most and not self._logs.empty():
-                frames.append(self._logs.get_nowait())
-                count += len(frames[-1][2] or [])
-            by_job: dict[str, list[Any]] = {}
-            good = []
-            for link, job, lines, batch in frames:
-                if not isinstance(lines, list):
-                    self.metrics.frames_refused.labels("malformed").inc()
-                    continue
-                if not await self._may_log(job, link.worker_id):
-                    self.metrics.frames_refused.labels("foreign").inc()
-                    log.warning("%s sent log lines for %s, not its job", link.worker_id, job)
-                    await link.send(Kind.LOGS_ACK, {"job": job, "batch": batch})  # not resent
-                    continue
-                by_job.setdefault(job, []).extend(lines)
-                good.append((link, job, batch))
-            try:
-                stored = await self.db(self.store.append_logs_by_job, by_job)
-            except (TypeError, ValueError) as exc:
-                self.metrics.frames_refused.labels("malformed").inc()
-                log.warning("LOGS frames with bad lines: %s", exc)
-                continue
-            self.metrics.log_lines.inc(stored)
-            for link, job, batch in good:
-                await link.send(Kind.LOGS_ACK, {"job": job, "batch": batch})
 
     async def _inventory(self, link: Link, body: dict[str, Any]) -> None:
         inventory = WorkerInventory.model_validate(body["inventory"], strict=False)

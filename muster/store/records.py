@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from sqlalchemy import and_, not_, or_, select, tuple_
@@ -83,7 +83,7 @@ class RecordRepository(Repository):
         """
         return self.append_logs_by_job({job_id: lines})
 
-    def append_logs_by_job(self, lines_by_job: dict[str, Sequence[Sequence[Any]]]) -> int:
+    def append_logs_by_job(self, lines_by_job: Mapping[str, Sequence[Sequence[Any]]]) -> int:
         """Several jobs' lines in one transaction. This is the hot path of log ingest, so
         it talks to the driver directly: executemany on SQLite, unnest() on PostgreSQL."""
         batches = [
