@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import replace
 from pathlib import Path
 
@@ -202,12 +203,22 @@ def preflight_cmd(
         out.print(item.detail, markup=False)
     if not report.ok:
         raise typer.Exit(1)
-    flags = ""
-    if opts.fabric == "efa":
-        flags = f" --efa-count {opts.efa_count}"
-    if opts.fabric == "tcpxo":
-        flags = f" --gpu-nic-networks {','.join(opts.gpu_nic_networks)}"
-    out.print(f"render with: muster k8s render {job_file} --fabric {opts.fabric}{flags}")
+    out.print(f"render with: {shlex.join(_render_line(job_file, opts))}", markup=False)
+
+
+def _render_line(job_file: Path, opts: RenderOptions) -> list[str]:
+    """The `muster k8s render` command for these options, values read from the cluster included."""
+    line = ["muster", "k8s", "render", str(job_file), "--fabric", opts.fabric]
+    line += ["--trainer-version", opts.trainer_version, "--namespace", opts.namespace]
+    if opts.runtime:
+        line += ["--runtime", opts.runtime]
+    if opts.efa_count is not None:
+        line += ["--efa-count", str(opts.efa_count)]
+    if opts.gpu_nic_networks:
+        line += ["--gpu-nic-networks", ",".join(opts.gpu_nic_networks)]
+    for key, value in opts.node_selector.items():
+        line += ["--node-selector", f"{key}={value}"]
+    return line
 
 
 @k8s.command("apply")

@@ -213,7 +213,8 @@ def test_preflight_and_apply_commands_fill_in_what_the_cluster_tells(
     assert done.exit_code == 0, done.output
     assert "2 node(s), 32 EFA devices each" in done.output
     assert "every patch target is in the runtime" in done.output
-    assert "--efa-count 32" in done.output
+    suggested = next(line for line in done.output.splitlines() if line.startswith("render with"))
+    assert suggested.endswith("--efa-count 32 --node-selector pool=gpu")
     done = runner.invoke(app, ["k8s", "apply", job, "--fabric", "efa", "-n", "ml"])
     assert done.exit_code == 0, done.output
     stored = custom.objects[("trainjobs", "ml", "llama-ft")]
