@@ -90,6 +90,7 @@ def main() -> None:
         out.mkdir(parents=True, exist_ok=True)
         torch.save(model.state_dict(), out / "model.pt")
         (out / "result.json").write_text(json.dumps({"mode": args.mode, "epochs": history}))
+    dist.barrier()  # no rank tears the group down while a peer still uses it
     dist.destroy_process_group()
 
 

@@ -10,6 +10,7 @@ argv: OUT_DIR SCENARIO, with SCENARIO one of
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -77,6 +78,10 @@ def sync(rank: int) -> dict[str, object]:
         "params": params(model),
         "ddp": params(twin.module),
     }
+    # DDP's reducer sits in reference cycles; free it now, while the process group lives,
+    # not whenever the collector runs (possibly after destroy_process_group).
+    del twin, twin_optimizer
+    gc.collect()
     # 5 batches an epoch: the last window leaves rank 1 without a batch.
     x, y = data(5 * 32)
     elche = ElChe(model, optimizer, dataset_size=len(x), batch_size=32, mode="sync")
@@ -107,6 +112,8 @@ def main() -> None:
     result = {"cadence": cadence, "sync": sync, "diverge": diverge}[scenario](rank)
     with open(os.path.join(out, f"{scenario}{rank}.json"), "w") as fh:
         json.dump(result, fh)
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 

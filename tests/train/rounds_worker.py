@@ -59,6 +59,7 @@ def main() -> None:
 
     with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as fh:
         json.dump(out, fh)
+    dist.barrier()  # no rank tears the group down while a peer still uses it
     dist.destroy_process_group()
 
 

@@ -36,5 +36,11 @@ def torchrun(script: Path, *args: str, nproc: int = 2, timeout: float = 180) -> 
         timeout=timeout,
         check=False,
     )
-    assert done.returncode == 0, done.stderr[-3000:]
+    # A rank's own error comes first, torchrun's summary last: show both ends.
+    shown = (
+        done.stderr
+        if len(done.stderr) < 6000
+        else done.stderr[:3000] + "\n...\n" + done.stderr[-3000:]
+    )
+    assert done.returncode == 0, shown
     return done.stdout
