@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,6 +71,8 @@ class Cluster:
         self.core = core
         self.custom = custom
         self.namespace = namespace
+        self.delete_timeout = 180.0
+        self.sleep: Callable[[float], None] = time.sleep
 
     @classmethod
     def connect(cls, namespace: str = "default", context: str | None = None) -> Cluster:
@@ -272,6 +275,7 @@ class Cluster:
                     ]
                     if changed:
                         self._delete(kind, name)
+                        self._wait_gone(kind, name)
                         self._ssa(obj)
                         done.append(
                             f"{kind} {name} recreated: {', '.join(changed)} cannot change in "
@@ -325,6 +329,19 @@ class Cluster:
             name,
             propagation_policy="Foreground",
         )
+
+    def _wait_gone(self, kind: str, name: str) -> None:
+        """A foreground delete returns at once; the object stays (terminating) until its
+        JobSet and pods are gone. Applying over it then would be deleted with it."""
+        deadline = time.monotonic() + self.delete_timeout
+        while self.get(kind, name) is not None:
+            if time.monotonic() >= deadline:
+                raise InfrastructureError(
+                    f"{kind} {name} is still being deleted after {self.delete_timeout:.0f}s; "
+                    f"apply again once `kubectl get {kind.lower()} {name} -n {self.namespace}` "
+                    "no longer finds it"
+                )
+            self.sleep(1.0)
 
     # --- status and logs ------------------------------------------------------------------
 

@@ -79,8 +79,15 @@ class FakeCustom:
         self.managers: list[str] = []
         self.deleted: list[str] = []
         self.cluster_lists: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        self.delete_polls = 0  # how many reads a deleted object survives (foreground deletion)
+        self.terminating: dict[tuple[str, str | None, str], int] = {}
 
     def _get(self, plural: str, namespace: str | None, name: str) -> dict[str, Any]:
+        key = (plural, namespace, name)
+        if self.terminating.get(key, 0) > 0:  # a foreground delete still under way
+            self.terminating[key] -= 1
+            if self.terminating[key] == 0:
+                self.objects.pop(key, None)
         try:
             return copy.deepcopy(self.objects[(plural, namespace, name)])
         except KeyError:
@@ -107,6 +114,8 @@ class FakeCustom:
         assert kwargs.get("_content_type") == "application/apply-patch+yaml"
         self.managers.append(kwargs["field_manager"])
         old = self.objects.get(key)
+        if old is not None and "deletionTimestamp" in old["metadata"]:
+            raise AssertionError(f"applied over {key} while it is being deleted: lost with it")
         if old is not None and key[0] == "trainjobs":
             for part in ("trainer", "runtimeRef"):
                 if old["spec"].get(part) != body["spec"].get(part):
@@ -134,7 +143,13 @@ class FakeCustom:
     def delete_namespaced_custom_object(
         self, group: str, version: str, namespace: str, plural: str, name: str, **kwargs: Any
     ) -> dict[str, Any]:
-        if self.objects.pop((plural, namespace, name), None) is None:
+        key = (plural, namespace, name)
+        if key not in self.objects:
             raise ApiException(404, f"{plural} {name} not found")
         self.deleted.append(f"{plural}/{name}")
+        if self.delete_polls:
+            self.terminating[key] = self.delete_polls
+            self.objects[key]["metadata"]["deletionTimestamp"] = "2026-11-29T00:00:00Z"
+        else:
+            del self.objects[key]
         return {}

@@ -99,7 +99,10 @@ def test_apply_is_server_side_and_recreates_on_a_changed_trainer(
     api: tuple[FakeCore, FakeCustom],
 ) -> None:
     _, custom = api
+    custom.delete_polls = 3  # the old TrainJob lingers for three reads, as a foreground delete does
     c = cluster(api)
+    naps: list[float] = []
+    c.sleep = naps.append
     objects = render(parse_job(JOB), RenderOptions(namespace="ml")).objects
     assert c.apply(objects, "2.3") == [
         "TrainJob llama-ft applied (server-side, field manager muster)"
@@ -114,7 +117,22 @@ def test_apply_is_server_side_and_recreates_on_a_changed_trainer(
     (line,) = c.apply(changed.objects, "2.3")
     assert "recreated: trainer cannot change in place" in line
     assert custom.deleted == ["trainjobs/llama-ft"]
+    assert naps  # it waited for the old one to go before creating the new one
     assert c.get("TrainJob", "llama-ft")["spec"]["trainer"]["args"] == ["--lr", "3e-4"]
+
+
+def test_a_delete_that_never_finishes_is_reported(api: tuple[FakeCore, FakeCustom]) -> None:
+    from muster.errors import InfrastructureError
+
+    _, custom = api
+    c = cluster(api)
+    c.apply(render(parse_job(JOB), RenderOptions(namespace="ml")).objects, "2.3")
+    custom.delete_polls = 10**6
+    c.delete_timeout = 0.0
+    c.sleep = lambda _: None
+    changed = render(parse_job({**JOB, "args": ["--x"]}), RenderOptions(namespace="ml"))
+    with pytest.raises(InfrastructureError, match="still being deleted after 0s"):
+        c.apply(changed.objects, "2.3")
 
 
 def test_apply_writes_the_tcpxo_runtime_first(api: tuple[FakeCore, FakeCustom]) -> None:
