@@ -148,23 +148,11 @@ def main() -> None:
     if not torch.cuda.is_available():
         print("gpu_check: skipped: torch sees no CUDA device on this machine")
         return
-    from muster.cli.local import free_port
+    from muster.cli.local import local_torchrun
 
     nproc = min(torch.cuda.device_count(), 2)
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            str(nproc),
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(free_port()),
-            os.path.abspath(__file__),
-            "--worker",
-        ],
+        local_torchrun(os.path.abspath(__file__), "--worker", nproc=nproc),
         timeout=600,
         check=False,
     )

@@ -284,25 +284,11 @@ def launch(args: argparse.Namespace) -> None:
     for k in args.ks:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "result.json"
-            from muster.cli.local import free_port
+            from muster.cli.local import local_torchrun
 
-            cmd = [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nproc-per-node",
-                "2",
-                "--master-addr",
-                "127.0.0.1",
-                "--master-port",
-                str(free_port()),
-                os.path.abspath(__file__),
-                "--worker",
-                "--k",
-                str(k),
-                "--out",
-                str(out),
-            ]
+            cmd = local_torchrun(
+                os.path.abspath(__file__), "--worker", "--k", str(k), "--out", str(out), nproc=2
+            )
             for flag in ("seeds", "samples", "batch", "hidden", "lr", "target", "anchor"):
                 cmd += [f"--{flag}", str(getattr(args, flag))]
             cmd += ["--max-seconds", str(args.max_seconds)]

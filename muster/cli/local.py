@@ -31,6 +31,24 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def local_torchrun(script: str | Path, *args: str, nproc: int = 2) -> list[str]:
+    """The argv of a one-machine torchrun on loopback (a free port, no restarts)."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--max-restarts=0",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        str(script),
+        *args,
+    ]
+
+
 @dataclass
 class LocalCluster:
     """``muster server`` plus N ``muster agent`` processes, all cleaned up on exit."""

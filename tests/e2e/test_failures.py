@@ -77,6 +77,16 @@ def authenticate(ws: ClientConnection, worker_id: str, token: str) -> tuple[str,
     return cnonce, anonce
 
 
+def open_link(ws: ClientConnection, worker_id: str, token: str) -> wire.LinkCodec:
+    """Authenticate as ``worker_id`` and take the WELCOME; returns the link's codec."""
+    cnonce, anonce = authenticate(ws, worker_id, token)
+    codec = wire.LinkCodec(
+        wire.session_key(token, cnonce, anonce), send=wire.TO_CONTROLLER, receive=wire.TO_AGENT
+    )
+    assert codec.decode(ws.recv(timeout=10)).kind is Kind.WELCOME
+    return codec
+
+
 def metric(cluster: LocalCluster, name: str, reason: str) -> float:
     text = httpx.get(f"{cluster.url}/metrics", timeout=10).text
     match = re.search(rf'^{name}_total{{reason="{reason}"}} (\S+)$', text, re.M)
@@ -98,13 +108,7 @@ def test_hostile_frames_are_refused_and_counted(tmp_path: Path) -> None:
         # An honest link, then a replayed, a forged and a malformed frame: all refused,
         # and the link still answers the next honest heartbeat.
         with connect(url) as ws:
-            cnonce, anonce = authenticate(ws, "probe", token)
-            codec = wire.LinkCodec(
-                wire.session_key(token, cnonce, anonce),
-                send=wire.TO_CONTROLLER,
-                receive=wire.TO_AGENT,
-            )
-            assert codec.decode(ws.recv(timeout=10)).kind is Kind.WELCOME
+            codec = open_link(ws, "probe", token)
             beat = codec.encode(Kind.HEARTBEAT, {"time": 1})
             ws.send(beat)
             assert codec.decode(ws.recv(timeout=10)).kind is Kind.HEARTBEAT_ACK
@@ -126,13 +130,7 @@ def test_hostile_frames_are_refused_and_counted(tmp_path: Path) -> None:
 
         # A worker that was not placed in the job cannot write into its logs.
         with connect(url) as ws:
-            cnonce, anonce = authenticate(ws, "probe", token)
-            codec = wire.LinkCodec(
-                wire.session_key(token, cnonce, anonce),
-                send=wire.TO_CONTROLLER,
-                receive=wire.TO_AGENT,
-            )
-            assert codec.decode(ws.recv(timeout=10)).kind is Kind.WELCOME
+            codec = open_link(ws, "probe", token)
             forged_line = ["rank", 0, 999_999, time.time(), "stdout", "planted by probe"]
             ws.send(codec.encode(Kind.LOGS, {"job": job_id, "batch": 1, "lines": [forged_line]}))
             assert codec.decode(ws.recv(timeout=10)).kind is Kind.LOGS_ACK

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
-from muster.cli.local import free_port
+from muster.cli.local import local_torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -16,20 +15,7 @@ def torchrun(script: Path, *args: str, nproc: int = 2, timeout: float = 180) -> 
     """Run ``script`` on ``nproc`` local ranks; returns stdout, fails with stderr's tail."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            str(nproc),
-            "--max-restarts=0",
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(free_port()),
-            str(script),
-            *args,
-        ],
+        local_torchrun(script, *args, nproc=nproc),
         env=env,
         capture_output=True,
         text=True,
