@@ -1,0 +1,68 @@
+"""One gang run's lifecycle, pure: events in, actions out (DESIGN.md, seed 001)."""
+
+from muster.gang.actions import (
+    Action,
+    RecordEvent,
+    ReleaseWorker,
+    SendAssign,
+    SendPrepareRendezvous,
+    SendStop,
+    SetJobState,
+    SetMemberState,
+    SetRendezvous,
+)
+from muster.gang.events import (
+    Cancel,
+    ControllerRestarted,
+    Event,
+    LinkBack,
+    LinkLost,
+    MemberExited,
+    MemberReport,
+    MemberStarted,
+    OutputsStored,
+    Placed,
+    PortPublished,
+    Tick,
+)
+from muster.gang.lifecycle import root_cause, step
+from muster.gang.run import (
+    GANG_TERMINAL,
+    GANG_TRANSITIONS,
+    GangPhase,
+    GangRun,
+    Member,
+    MemberSnapshot,
+)
+
+__all__ = [
+    "GANG_TERMINAL",
+    "GANG_TRANSITIONS",
+    "Action",
+    "Cancel",
+    "ControllerRestarted",
+    "Event",
+    "GangPhase",
+    "GangRun",
+    "LinkBack",
+    "LinkLost",
+    "Member",
+    "MemberExited",
+    "MemberReport",
+    "MemberSnapshot",
+    "MemberStarted",
+    "OutputsStored",
+    "Placed",
+    "PortPublished",
+    "RecordEvent",
+    "ReleaseWorker",
+    "SendAssign",
+    "SendPrepareRendezvous",
+    "SendStop",
+    "SetJobState",
+    "SetMemberState",
+    "SetRendezvous",
+    "Tick",
+    "root_cause",
+    "step",
+]

@@ -1,0 +1,92 @@
+"""What ``step`` decides; the controller applies the actions in order and decides nothing.
+
+A ``Send*`` to a worker without a link is dropped by the controller, which then steps
+``LinkLost`` for that worker (after applying the rest of the batch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TypeAlias
+
+from muster.spec import JobState, MemberState
+
+
+@dataclass(frozen=True)
+class SendPrepareRendezvous:
+    """PREPARE_RENDEZVOUS to node 0: pick (or take) a port on ``addr`` and publish it."""
+
+    worker: str
+    addr: str | None
+    port: int | None
+
+
+@dataclass(frozen=True)
+class SetRendezvous:
+    """Record node 0's published ``addr:port`` on the epoch (and plan the gang's addresses)."""
+
+    addr: str
+    port: int
+
+
+@dataclass(frozen=True)
+class SendAssign:
+    """ASSIGN to the member's worker; the controller builds the body (spec, addresses, ...)."""
+
+    node: int
+    worker: str
+
+
+@dataclass(frozen=True)
+class SendStop:
+    """STOP: kill the member's whole process tree (or never start it)."""
+
+    worker: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class SetJobState:
+    """Move the job (always a move ``check_job_transition`` allows); ``reason`` is the message."""
+
+    state: JobState
+    reason: str
+
+
+@dataclass(frozen=True)
+class SetMemberState:
+    """Move one member (always a move ``check_member_transition`` allows)."""
+
+    node: int
+    state: MemberState
+    exit_code: int | None = None
+    signal: str | None = None
+
+
+@dataclass(frozen=True)
+class RecordEvent:
+    """Append to the job's event log."""
+
+    kind: str
+    message: str
+    data: dict[str, object] = field(default_factory=dict)
+    worker: str | None = None
+
+
+@dataclass(frozen=True)
+class ReleaseWorker:
+    """The worker goes back to the pool: no process of this run is left on it."""
+
+    worker: str
+
+
+Action: TypeAlias = (
+    SendPrepareRendezvous
+    | SetRendezvous
+    | SendAssign
+    | SendStop
+    | SetJobState
+    | SetMemberState
+    | RecordEvent
+    | ReleaseWorker
+)

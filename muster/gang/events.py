@@ -1,0 +1,133 @@
+"""What ``step`` is told: frames from the agents' links, the clock, the API, a restart.
+
+Every event names members by node rank (the frame's ``node_rank``) or links by worker id;
+the controller has already checked that the frame is for this job and epoch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TypeAlias
+
+from muster.spec import PathClass
+
+
+@dataclass(frozen=True)
+class Placed:
+    """The scheduler reserved the gang (``workers[r]`` is node rank r) and opened ``epoch``."""
+
+    job: str
+    epoch: int
+    workers: tuple[str, ...]
+    path: PathClass
+    port: int | None = None  # the spec's rendezvous port; None: node 0 picks a free one
+    timeout: int | None = None  # spec.timeout in seconds; None: no limit
+    master_addr: str | None = None  # the address planned for node 0, passed on in PREPARE
+
+
+@dataclass(frozen=True)
+class PortPublished:
+    """RENDEZVOUS_READY: node 0 listens on ``addr:port``. From any other node it is ignored."""
+
+    node: int
+    addr: str
+    port: int
+
+
+@dataclass(frozen=True)
+class MemberStarted:
+    """MEMBER_STARTED: the member's torchrun is running."""
+
+    node: int
+
+
+@dataclass(frozen=True)
+class MemberExited:
+    """MEMBER_EXITED: every process of the member is gone; the root-cause details come along."""
+
+    node: int
+    exit_code: int
+    signal: str | None = None
+    failed_rank: int | None = None  # the global rank torchrun blamed first
+    failed_exit: int | None = None  # that rank's exit code
+    tail: tuple[str, ...] = ()  # its last lines (or torchrun's)
+
+
+@dataclass(frozen=True)
+class OutputsStored:
+    """ARTIFACTS_DONE: the member's output dir was uploaded (``ok``), or these files failed."""
+
+    node: int
+    ok: bool
+    errors: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class LinkLost:
+    """The worker's control link closed or went silent: its members are lost."""
+
+    worker: str
+    why: str
+
+
+@dataclass(frozen=True)
+class MemberReport:
+    """What a re-dialled agent says of one member it holds: alive, or the exit it saw."""
+
+    job: str
+    epoch: int
+    node: int
+    exit_code: int | None = None  # None: its processes are still alive
+    signal: str | None = None
+    last_log_seq: int | None = None  # for the controller's log ingest; step does not use it
+
+
+@dataclass(frozen=True)
+class LinkBack:
+    """The worker dialled in again; ``members`` is every member it still holds (any job).
+
+    A member of this run missing from ``members`` has no process left on that machine.
+    """
+
+    worker: str
+    members: tuple[MemberReport, ...] = ()
+
+
+@dataclass(frozen=True)
+class Tick:
+    """The supervision loop's clock tick: checks the job timeout and the restart grace.
+
+    The time is ``step``'s ``now``.
+    """
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """The user (or the API) cancelled the job."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class ControllerRestarted:
+    """The run was rebuilt from the store after a restart (see ``GangRun.restore``).
+
+    Every member that may still run is unconfirmed until its agent's ``LinkBack``; one still
+    unconfirmed at ``grace_deadline`` (``step``'s clock) fails the job.
+    """
+
+    grace_deadline: float
+
+
+Event: TypeAlias = (
+    Placed
+    | PortPublished
+    | MemberStarted
+    | MemberExited
+    | OutputsStored
+    | LinkLost
+    | LinkBack
+    | Tick
+    | Cancel
+    | ControllerRestarted
+)

@@ -1,0 +1,427 @@
+"""One gang run's lifecycle: ``step(run, event, now) -> (run, actions)``, pure (seed 001).
+
+The controller feeds every frame, link change, tick and API call for a run through ``step``
+and applies the returned actions in order; the rules live here alone::
+
+    unplaced ─Placed─► rendezvous ─PortPublished(node 0)─► starting ─all started─► running
+                           │                                   │                     │   │
+                           ├───────────────────────────────────┴─────────────────────┘   │
+                           ├─ first member to exit non-zero, be lost, outlive the        │
+                           │  timeout, fail its upload, or miss a restart's grace ─► failed
+                           └─ Cancel ────────────────────────────────────────────► cancelled
+                              every member exited 0 and its outputs stored ─► succeeded ◄┘
+
+    Placed:         SetJobState(rendezvous), PREPARE_RENDEZVOUS to node 0
+    PortPublished:  SetRendezvous, then ASSIGN + SetMemberState(assigned), node 0 first
+                    (held back while a member is unconfirmed after a restart)
+    MemberStarted:  SetMemberState(starting, running); the last one: SetJobState(running)
+    MemberExited:   SetMemberState(succeeded | failed), ReleaseWorker
+
+Failing (or cancelling) the job sends STOP to every member that may be running and cancels
+the ones never started. A worker is released only when its member's processes are known
+gone (its exit, or its agent dialled back without it) or were never started. Once the job
+is terminal no event changes its state; exits still arrive and release their workers, and
+a member still alive when its agent dials back is told to STOP again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from muster.gang.actions import (
+    Action,
+    RecordEvent,
+    ReleaseWorker,
+    SendAssign,
+    SendPrepareRendezvous,
+    SendStop,
+    SetJobState,
+    SetMemberState,
+    SetRendezvous,
+)
+from muster.gang.events import (
+    Cancel,
+    ControllerRestarted,
+    Event,
+    LinkBack,
+    LinkLost,
+    MemberExited,
+    MemberStarted,
+    OutputsStored,
+    Placed,
+    PortPublished,
+    Tick,
+)
+from muster.gang.run import GangPhase, GangRun, Member
+from muster.spec import JobState, MemberState
+
+_M = MemberState
+_FORWARD = (_M.PENDING, _M.ASSIGNED, _M.STARTING, _M.RUNNING, _M.SUCCEEDED)
+_BEFORE_RENDEZVOUS = (JobState.PLACING, JobState.NETWORKING)
+
+
+def step(run: GangRun, event: Event, now: float) -> tuple[GangRun, tuple[Action, ...]]:
+    """Apply one event to the run; ``now`` is the controller's clock (seconds)."""
+    turn = _Turn(run, now)
+    if isinstance(event, Placed):
+        _placed(turn, event)
+    elif not run.members:
+        pass  # nothing but Placed means anything before the gang exists
+    elif isinstance(event, PortPublished):
+        _port_published(turn, event)
+    elif isinstance(event, MemberStarted):
+        _member_started(turn, event)
+    elif isinstance(event, MemberExited):
+        _member_exited(turn, event)
+    elif isinstance(event, OutputsStored):
+        _outputs_stored(turn, event)
+    elif isinstance(event, LinkLost):
+        _link_lost(turn, event)
+    elif isinstance(event, LinkBack):
+        _link_back(turn, event)
+    elif isinstance(event, Tick):
+        _tick(turn)
+    elif isinstance(event, Cancel):
+        if not run.is_over:
+            _fail(turn, JobState.CANCELLED, event.reason)
+    elif isinstance(event, ControllerRestarted):
+        _restarted(turn, event)
+    return turn.run, tuple(turn.actions)
+
+
+def root_cause(node: int, worker: str, exited: MemberExited) -> str:
+    """The job's root cause for a member that exited non-zero (the text users see)."""
+    rank = exited.failed_rank
+    code = exited.failed_exit if exited.failed_exit is not None else exited.exit_code
+    who = f"global rank {rank}" if rank is not None else "torchrun"
+    how = f"was killed by {exited.signal}" if exited.signal else f"exited with code {code}"
+    cause = f"node{node} (worker {worker}): {who} {how}"
+    tail = [str(line) for line in exited.tail][-20:]
+    if tail:
+        label = f"rank {rank}" if rank is not None else f"node{node}"
+        cause += f"\nlast lines of {label}:\n" + "\n".join(f"  {line}" for line in tail)
+    return cause
+
+
+class _Turn:
+    """The run as one step changes it, and the actions decided so far."""
+
+    def __init__(self, run: GangRun, now: float) -> None:
+        self.run = run
+        self.now = now
+        self.actions: list[Action] = []
+
+    def emit(self, *actions: Action) -> None:
+        self.actions.extend(actions)
+
+    def member(self, node: int) -> Member | None:
+        return self.run.members[node] if 0 <= node < len(self.run.members) else None
+
+    def update(self, node: int, **changes: Any) -> Member:
+        members = list(self.run.members)
+        members[node] = replace(members[node], **changes)
+        self.run = replace(self.run, members=tuple(members))
+        return members[node]
+
+    def set_job(self, state: JobState, reason: str) -> None:
+        self.emit(SetJobState(state, reason))
+        self.run = replace(self.run, job_state=state, reason=reason)
+
+    def set_member(
+        self, node: int, state: MemberState, exit_code: int | None = None, signal: str | None = None
+    ) -> None:
+        """Move a live member, through the forward states it skipped; a terminal one stays."""
+        current = self.run.members[node].state
+        if current.is_terminal or current is state:
+            return
+        if state in _FORWARD:
+            here, there = _FORWARD.index(current), _FORWARD.index(state)
+            if there < here:
+                return
+            for between in _FORWARD[here + 1 : there]:
+                self.emit(SetMemberState(node, between))
+        self.emit(SetMemberState(node, state, exit_code, signal))
+        self.update(node, state=state)
+
+    def release(self, node: int) -> None:
+        member = self.run.members[node]
+        if not member.released:
+            self.emit(ReleaseWorker(member.worker))
+            self.update(node, released=True)
+
+
+# ---- placement and gating ----------------------------------------------------------------
+
+
+def _placed(turn: _Turn, event: Placed) -> None:
+    if turn.run.members:
+        return  # one placement per run: a new epoch is a new run
+    run = GangRun.placed(event.job, event.epoch, event.workers, event.path)
+    turn.run = replace(
+        run,
+        master_addr=event.master_addr,
+        port=event.port,
+        timeout=event.timeout,
+        deadline=turn.now + event.timeout if event.timeout else None,
+    )
+    turn.set_job(
+        JobState.RENDEZVOUS, f"epoch {event.epoch}: waiting for node0 to publish its address"
+    )
+    turn.emit(SendPrepareRendezvous(event.workers[0], event.master_addr, event.port))
+
+
+def _port_published(turn: _Turn, event: PortPublished) -> None:
+    run = turn.run
+    if event.node != 0 or run.published is not None or run.job_state is not JobState.RENDEZVOUS:
+        return
+    turn.run = replace(run, published=(event.addr, event.port))
+    turn.emit(
+        SetRendezvous(event.addr, event.port),
+        RecordEvent(
+            "RendezvousPublished",
+            f"node0 published {event.addr}:{event.port}",
+            {"addr": event.addr, "port": event.port},
+        ),
+    )
+    _maybe_assign(turn)
+
+
+def _maybe_assign(turn: _Turn) -> None:
+    """ASSIGN every unassigned member, node 0 first, once the port is out and all are here."""
+    run = turn.run
+    if (
+        run.published is None
+        or run.job_state is not JobState.RENDEZVOUS
+        or any(m.unconfirmed for m in run.members)
+    ):
+        return
+    for member in run.members:
+        if member.assigned:
+            continue
+        turn.emit(SendAssign(member.node, member.worker))
+        turn.set_member(member.node, MemberState.ASSIGNED)
+        turn.update(member.node, assigned=True)
+        turn.emit(
+            RecordEvent(
+                "Assigned",
+                f"node{member.node} (worker {member.worker}) assigned",
+                {"node": member.node, "worker": member.worker},
+            )
+        )
+
+
+# ---- members -----------------------------------------------------------------------------
+
+
+def _member_started(turn: _Turn, event: MemberStarted) -> None:
+    member = turn.member(event.node)
+    if member is None or not member.assigned or member.gone:
+        return
+    if turn.run.is_over:  # it started after the STOP went out (or was taken for started)
+        turn.update(member.node, started=True)
+        turn.emit(SendStop(member.worker, turn.run.reason))
+        return
+    if member.started:
+        return
+    turn.update(member.node, started=True)
+    turn.set_member(member.node, MemberState.RUNNING)
+    _maybe_running(turn)
+
+
+def _maybe_running(turn: _Turn) -> None:
+    run = turn.run
+    if (
+        run.job_state is JobState.RENDEZVOUS
+        and run.published is not None
+        and all(m.started for m in run.members)
+    ):
+        turn.set_job(JobState.RUNNING, f"all {len(run.members)} nodes started")
+
+
+def _member_exited(turn: _Turn, event: MemberExited) -> None:
+    member = turn.member(event.node)
+    if member is None or not member.assigned or member.gone:
+        return
+    node, code, over = member.node, event.exit_code, turn.run.is_over
+    if code == 0 and not member.started and not over:
+        turn.update(node, started=True)
+        turn.set_member(node, MemberState.RUNNING)
+        _maybe_running(turn)
+    turn.update(node, exit_code=code, gone=True, lost=False, unconfirmed=False)
+    if code == 0:
+        state = MemberState.SUCCEEDED
+    elif over and event.signal:
+        state = MemberState.CANCELLED
+    else:
+        state = MemberState.FAILED
+    turn.set_member(node, state, exit_code=code, signal=event.signal)
+    turn.release(node)
+    if code != 0 and not over:
+        _fail(turn, JobState.FAILED, root_cause(node, member.worker, event))
+    else:
+        _maybe_succeed(turn)
+
+
+def _outputs_stored(turn: _Turn, event: OutputsStored) -> None:
+    member = turn.member(event.node)
+    if member is None or not member.assigned or member.outputs is not None:
+        return
+    turn.update(member.node, outputs=event.ok)
+    if event.ok:
+        _maybe_succeed(turn)
+        return
+    errors = "; ".join(event.errors) or "no detail"
+    cause = f"node{member.node} (worker {member.worker}): outputs failed to upload: {errors}"
+    if not turn.run.is_over:
+        _fail(turn, JobState.FAILED, cause)
+    else:
+        turn.emit(
+            RecordEvent("OutputsFailed", cause, {"node": member.node, "errors": list(event.errors)})
+        )
+
+
+def _maybe_succeed(turn: _Turn) -> None:
+    run = turn.run
+    if run.job_state is JobState.RUNNING and all(
+        m.exit_code == 0 and m.outputs is True for m in run.members
+    ):
+        turn.set_job(JobState.SUCCEEDED, f"all {len(run.members)} nodes exited 0")
+
+
+# ---- links, clock, restart ---------------------------------------------------------------
+
+
+def _awaits_outputs(member: Member) -> bool:
+    return member.exit_code == 0 and member.outputs is None
+
+
+def _link_lost(turn: _Turn, event: LinkLost) -> None:
+    node = turn.run.node_of(event.worker)
+    if node is None or turn.run.members[node].lost:
+        return
+    member = turn.update(node, lost=True)
+    over = turn.run.is_over
+    who = f"node{node} (worker {member.worker}) was lost"
+    if member.gone:
+        if _awaits_outputs(member) and not over:
+            _fail(turn, JobState.FAILED, f"{who} before its outputs were stored: {event.why}")
+        return
+    if member.released:
+        return  # never started, already given back
+    turn.set_member(node, MemberState.LOST)
+    if not member.assigned:
+        turn.release(node)
+    if not over:
+        _fail(turn, JobState.FAILED, f"{who}: {event.why}")
+
+
+def _link_back(turn: _Turn, event: LinkBack) -> None:
+    run = turn.run
+    node = run.node_of(event.worker)
+    if node is None:
+        return
+    report = next(
+        (r for r in event.members if r.job == run.job and r.epoch == run.epoch and r.node == node),
+        None,
+    )
+    was_unconfirmed = run.members[node].unconfirmed
+    member = turn.update(node, lost=False, unconfirmed=False)
+    over = run.is_over
+    who = f"node{node} (worker {member.worker}) was lost"
+    if not member.assigned:
+        if node == 0 and run.phase is GangPhase.RENDEZVOUS and not over:
+            turn.emit(SendPrepareRendezvous(member.worker, run.master_addr, run.port))
+    elif member.gone:
+        if report is None and _awaits_outputs(member) and not over:
+            _fail(turn, JobState.FAILED, f"{who} before its outputs were stored")
+    elif report is None:
+        turn.update(node, gone=True)
+        turn.set_member(node, MemberState.LOST)
+        turn.release(node)
+        if not over:
+            _fail(turn, JobState.FAILED, f"{who}: its agent dialled back without the member")
+    elif report.exit_code is None:
+        if over:
+            turn.emit(SendStop(member.worker, run.reason))
+        elif not member.started:
+            turn.update(node, started=True)
+            turn.set_member(node, MemberState.RUNNING)
+    else:
+        _member_exited(turn, MemberExited(node, report.exit_code, report.signal))
+    if was_unconfirmed:
+        _maybe_assign(turn)
+    _maybe_running(turn)
+
+
+def _tick(turn: _Turn) -> None:
+    run = turn.run
+    if not run.is_over and run.deadline is not None and turn.now > run.deadline:
+        _fail(turn, JobState.FAILED, f"timed out after {run.timeout}s (spec.timeout)")
+    if turn.run.grace_deadline is None or turn.now < turn.run.grace_deadline:
+        return
+    turn.run = replace(turn.run, grace_deadline=None)
+    late = [m for m in turn.run.members if m.unconfirmed]
+    for member in late:
+        turn.update(member.node, unconfirmed=False)
+        if not member.gone:
+            turn.set_member(member.node, MemberState.LOST)
+        if not member.assigned:
+            turn.release(member.node)
+    if late and not turn.run.is_over:
+        first = late[0]
+        more = f" (nor did {len(late) - 1} more)" if len(late) > 1 else ""
+        _fail(
+            turn,
+            JobState.FAILED,
+            f"node{first.node} (worker {first.worker}) did not dial back within the grace "
+            f"after the controller restarted{more}",
+        )
+
+
+def _restarted(turn: _Turn, event: ControllerRestarted) -> None:
+    turn.run = replace(turn.run, grace_deadline=event.grace_deadline)
+    run = turn.run
+    if run.job_state in _BEFORE_RENDEZVOUS:
+        turn.set_job(
+            JobState.RENDEZVOUS, f"epoch {run.epoch}: waiting for node0 to publish its address"
+        )
+    waiting = []
+    for member in run.members:
+        if member.released:
+            continue
+        if run.is_over and not member.assigned:
+            turn.release(member.node)
+        elif not member.gone or (_awaits_outputs(member) and not run.is_over):
+            turn.update(member.node, unconfirmed=True, lost=True)
+            waiting.append(member.node)
+    if waiting:
+        turn.emit(
+            RecordEvent(
+                "AwaitingMembers",
+                f"epoch {run.epoch}: the controller restarted; waiting for "
+                + ", ".join(f"node{n}" for n in waiting)
+                + " to dial back",
+                {"nodes": waiting, "grace_deadline": event.grace_deadline},
+            )
+        )
+
+
+# ---- failure -----------------------------------------------------------------------------
+
+
+def _fail(turn: _Turn, state: JobState, cause: str) -> None:
+    """Fail (or cancel) the job: STOP to members that may run, never-started ones cancelled."""
+    if turn.run.is_over:
+        return
+    turn.set_job(state, cause)
+    for member in turn.run.members:
+        if member.gone:
+            continue
+        if not member.assigned:
+            turn.set_member(member.node, MemberState.CANCELLED)
+            turn.release(member.node)
+            continue
+        if not member.started:
+            turn.set_member(member.node, MemberState.CANCELLED)
+        turn.emit(SendStop(member.worker, cause))

@@ -1,1 +1,0 @@
-"""Gang network set-up per path class, the probe, mesh addressing (seed 000)."""

@@ -1,1 +1,0 @@
-"""Dashboard templates and static files served by the controller."""
