@@ -6,15 +6,16 @@ Every error muster raises on purpose is a ``MusterError``. The branch says whose
     ├── UserError                 the input is wrong; the user fixes it (CLI exit 2, HTTP 4xx)
     │   ├── SpecError             a job spec or file failed validation (HTTP 422); lists FieldErrors
     │   ├── BadRequest            a request that is well formed but not allowed now (HTTP 400/409)
-    │   └── NotFound              a job, worker or artifact that does not exist (HTTP 404)
+    │   ├── NotFound              a job, worker or artifact that does not exist (HTTP 404)
+    │   ├── Unauthorized          no credential, or one the controller does not know (HTTP 401)
+    │   ├── Forbidden             a known credential without the right to this call (HTTP 403)
+    │   └── TooLarge              an upload over the controller's size limit (HTTP 413)
     ├── PlatformError             muster refused or lost a decision (CLI exit 3, HTTP 409/503)
     │   ├── PlacementConflict     a reservation lost a race for a worker; the pass is retried
     │   ├── IllegalTransition     a lifecycle move the state table forbids
-    │   └── FencedEpoch           a message for a gang epoch that has been fenced
+    │   └── CohortDiverged        ranks of a training cohort reached a round out of step
     └── InfrastructureError       something below muster failed (CLI exit 4, HTTP 502/503)
-        ├── StoreUnavailable      the database cannot be opened or migrated
-        ├── HostLost              an agent's control link closed or went stale
-        └── ProbeFailed           a pair of gang members could not reach each other
+        └── StoreUnavailable      the database cannot be opened or migrated
 
 Lower-level exceptions (SQLAlchemy, OSError, pydantic) are caught at the seam that
 causes them and re-raised as one of these, with a message that names the thing and the fix.
@@ -78,6 +79,24 @@ class NotFound(UserError):
     http_status = 404
 
 
+class Unauthorized(UserError):
+    """The call carries no credential, or one the controller does not know."""
+
+    http_status = 401
+
+
+class Forbidden(UserError):
+    """The credential is known but does not give the right to this call."""
+
+    http_status = 403
+
+
+class TooLarge(UserError):
+    """An upload is over the controller's limit; the message names the limit and its flag."""
+
+    http_status = 413
+
+
 class PlatformError(MusterError):
     """muster refused or lost a decision; retrying later may succeed."""
 
@@ -93,10 +112,6 @@ class IllegalTransition(PlatformError):
     """A lifecycle move that the state's transition table forbids."""
 
 
-class FencedEpoch(PlatformError):
-    """A message arrived for a gang epoch that has been fenced."""
-
-
 class CohortDiverged(PlatformError):
     """Ranks reached an averaging round at different windows: their collectives no longer pair."""
 
@@ -110,11 +125,3 @@ class InfrastructureError(MusterError):
 
 class StoreUnavailable(InfrastructureError):
     """The database cannot be opened, reached or migrated."""
-
-
-class HostLost(InfrastructureError):
-    """An agent's control link closed or its heartbeats went stale."""
-
-
-class ProbeFailed(InfrastructureError):
-    """A pair of gang members could not reach each other on the chosen path."""

@@ -41,7 +41,16 @@ MAX_UNACKED = 32  # batches in flight before capture waits: nothing is dropped
 
 
 class AuthRefused(Exception):
-    """The controller refused this agent's token or name; re-dialing will not help."""
+    """The controller refused this agent's join secret; re-dialing will not help."""
+
+
+class LinkRefused(Exception):
+    """The controller refused this session (say, the name is still connected): a persistent
+    agent dials again; a one-shot agent exits."""
+
+
+class ControllerSilent(Exception):
+    """No frame from the controller for longer than its heartbeat timeout."""
 
 
 @dataclass
@@ -56,6 +65,9 @@ class AgentConfig:
     persist: bool = False
     grace: float = 10.0
     backoff: tuple[float, float] = (5.0, 60.0)
+    # How long the member watchdogs let this agent go without a beat before they end the
+    # members' process trees themselves (an agent stopped by SIGSTOP, or wedged).
+    watchdog_timeout: float = 30.0
 
 
 @dataclass
@@ -97,6 +109,11 @@ class Agent:
         self._send_lock = asyncio.Lock()
         self._acked = asyncio.Event()
         self.tls: ssl.SSLContext | None = None
+        self.heartbeat_timeout = 15.0
+        self.last_heard = time.monotonic()
+        self.welcomed = False
+        self.inventory: WorkerInventory | None = None
+        self.alive_file = config.work_dir / ".agent-alive"
 
     # ---- dialing -------------------------------------------------------------------------
 
@@ -104,6 +121,7 @@ class Agent:
         """Serve until the link ends (or forever with persist), or SIGTERM/SIGINT; on the way
         out every member's process tree is stopped. Returns an exit code."""
         session = asyncio.create_task(self._serve())
+        beats = asyncio.create_task(self._beat_for_watchdogs())
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, session.cancel)
@@ -116,13 +134,26 @@ class Agent:
             if tasks:
                 await asyncio.wait(tasks, timeout=self.config.grace + 5)
             return 0
+        finally:
+            beats.cancel()
+
+    async def _beat_for_watchdogs(self, every: float = 1.0) -> None:
+        """Touch the alive file: each member's watchdog ends the member's process tree when
+        it goes stale (this agent hung, or was stopped), link or no link."""
+        while True:
+            try:
+                self.alive_file.parent.mkdir(parents=True, exist_ok=True)
+                self.alive_file.touch()
+            except OSError as exc:
+                log.warning("cannot touch %s: %s", self.alive_file, exc)
+            await asyncio.sleep(every)
 
     async def _serve(self) -> int:
         delay = self.config.backoff[0]
         while True:
+            self.welcomed = False
             try:
                 await self._session()
-                delay = self.config.backoff[0]
                 reason = "the controller closed the link"
             except AuthRefused as exc:
                 log.error("%s", exc)
@@ -133,8 +164,14 @@ class Agent:
                 InfrastructureError,
                 FrameRefused,
                 TimeoutError,
+                LinkRefused,
+                ControllerSilent,
             ) as exc:
                 reason = f"{type(exc).__name__}: {exc}"
+            if self.welcomed:
+                # A session that was up resets the backoff: an old outage does not slow the
+                # next re-dial.
+                delay = self.config.backoff[0]
             if not self.config.persist:
                 log.error("control link ended: %s", reason)
                 await self._stop_all("the control link ended")
@@ -196,13 +233,15 @@ class Agent:
             ):
                 raise AuthRefused("the controller could not prove it holds the token")
             self.codec, self.ws = codec, ws
+            self.welcomed = True
+            self.last_heard = time.monotonic()
             self.ticket = str(welcome.body["ticket"])
             self.heartbeat_interval = float(welcome.body.get("heartbeat_interval", 3.0))
-            inventory = await asyncio.to_thread(self.config.inventory)
-            await self.send(
-                Kind.INVENTORY,
-                {"inventory": inventory.model_dump(mode="json"), "running": sorted(self.members)},
+            self.heartbeat_timeout = float(
+                welcome.body.get("heartbeat_timeout", 5 * self.heartbeat_interval)
             )
+            self.inventory = await asyncio.to_thread(self.config.inventory)
+            await self._send_inventory()
             log.info("connected to %s as %s", self.config.controller, self.config.worker_id)
             for batch, (job, lines) in sorted(self.shipper.unacked.items()):
                 await self.send(Kind.LOGS, {"job": job, "batch": batch, "lines": lines})
@@ -212,7 +251,11 @@ class Agent:
             ]
             try:
                 async for message in ws:
+                    self.last_heard = time.monotonic()
                     await self._on_frame(codec.decode(_bytes(message)))
+                for task in tasks:  # the heartbeat task may have ended the link: say why
+                    if task.done() and not task.cancelled() and task.exception() is not None:
+                        raise task.exception()  # type: ignore[misc]
             finally:
                 for task in tasks:
                     task.cancel()
@@ -222,11 +265,30 @@ class Agent:
         async with self._send_lock:
             if self.ws is None or self.codec is None:
                 return
-            with contextlib.suppress(websockets.exceptions.ConnectionClosed):
-                await self.ws.send(self.codec.encode(kind, body))
+            with contextlib.suppress(websockets.exceptions.ConnectionClosed, TimeoutError):
+                await asyncio.wait_for(self.ws.send(self.codec.encode(kind, body)), 30)
+
+    async def _send_inventory(self) -> None:
+        """What this machine offers, and the jobs whose members still run here."""
+        if self.inventory is None:
+            return
+        await self.send(
+            Kind.INVENTORY,
+            {"inventory": self.inventory.model_dump(mode="json"), "running": sorted(self.members)},
+        )
 
     async def _heartbeats(self) -> None:
+        """Beat every interval; a controller silent past its heartbeat timeout (every beat
+        is acked) is taken as dead or wedged and the link is dropped."""
         while True:
+            silent = time.monotonic() - self.last_heard
+            if silent > self.heartbeat_timeout:
+                log.warning("no frame from the controller for %.0fs; dropping the link", silent)
+                if self.ws is not None:
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(self.ws.close(1011), 1.0)
+                    self.ws.transport.abort()  # a wedged peer may never answer the close
+                raise ControllerSilent(f"no frame from the controller for {silent:.0f}s")
             await self.send(Kind.HEARTBEAT, {"time": time.time()})
             await asyncio.sleep(self.heartbeat_interval)
 
@@ -260,13 +322,26 @@ class Agent:
         elif frame.kind is Kind.ASSIGN:
             self._start(body)
         elif frame.kind is Kind.STOP:
-            await self._stop(str(body.get("job")), str(body.get("reason", "stopped")))
+            await self._stop(str(body.get("job")), str(body.get("reason", "stopped")), body)
         elif frame.kind is Kind.ERROR:
-            raise AuthRefused(f"the controller refused: {body.get('message')}")
+            raise LinkRefused(f"the controller refused: {body.get('message')}")
 
     async def _prepare(self, body: dict[str, Any]) -> None:
         addr = str(body["addr"])
-        port = body.get("port") or free_port(addr)
+        try:
+            port = body.get("port") or free_port(addr)
+        except OSError as exc:
+            await self.send(
+                Kind.MEMBER_EXITED,
+                {
+                    "job": body["job"],
+                    "epoch": body["epoch"],
+                    "node_rank": 0,
+                    "exit_code": 127,
+                    "tail": [f"muster agent: cannot pick a rendezvous port: {exc}"],
+                },
+            )
+            return
         await self.send(
             Kind.RENDEZVOUS_READY,
             {
@@ -294,7 +369,12 @@ class Agent:
             send=self.send,
             emit=lambda lines: self.shipper.add(job, lines),
             grace=self.config.grace,
+            alive_file=self.alive_file,
+            watchdog_timeout=self.heartbeat_timeout,
         )
+        if job in self.members:
+            log.warning("ignoring a second ASSIGN for %s", job)
+            return
         self.members[job] = member
 
         async def run() -> None:
@@ -309,13 +389,29 @@ class Agent:
             finally:
                 await http.aclose()
                 self.members.pop(job, None)
+                # Every process of the member is gone: the controller may free this worker.
+                await self._send_inventory()
 
         member.task = asyncio.create_task(run())
 
-    async def _stop(self, job: str, reason: str) -> None:
+    async def _stop(self, job: str, reason: str, order: dict[str, Any] | None = None) -> None:
         member = self.members.get(job)
         if member is not None:
             await member.stop(reason)
+        elif order is not None and order.get("node_rank") is not None:
+            # Nothing of that member runs here (never assigned, or already over): say so,
+            # so the controller can give this worker back to the pool.
+            await self.send(
+                Kind.MEMBER_EXITED,
+                {
+                    "job": job,
+                    "epoch": order.get("epoch"),
+                    "node_rank": order["node_rank"],
+                    "exit_code": 143,
+                    "signal": "SIGTERM",
+                    "absent": True,
+                },
+            )
 
     async def _stop_all(self, reason: str) -> None:
         for member in list(self.members.values()):
@@ -323,9 +419,11 @@ class Agent:
 
 
 def free_port(addr: str) -> int:
+    """A free TCP port for the rendezvous. It binds the wildcard address, not ``addr``: the
+    advertised address may be a NAT's or an elastic one that no local interface holds."""
     family = socket.AF_INET6 if ":" in addr else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((addr, 0))
+        s.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", 0))
         return int(s.getsockname()[1])
 
 

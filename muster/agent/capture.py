@@ -2,10 +2,17 @@
 (``--log-dir D --redirects 3``); ``RankTailer`` follows them and numbers every line.
 
 Layout torchrun uses: ``D/<run id>/attempt_0/<local rank>/{stdout,stderr}.log``.
+
+Lines are bytes; a rank may write anything. A line that is UTF-8 goes out as its text
+(NUL included: JSON carries it as \u0000). A line that is not goes out with a display text
+(U+FFFD for each bad byte) and a 7th field, base64 of its exact bytes, so the store keeps
+them and the wire stays plain JSON (orjson refuses the lone surrogates a reversible
+decode such as surrogateescape would produce).
 """
 
 from __future__ import annotations
 
+import base64
 import os
 import re
 import time
@@ -14,10 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-MAX_LINE = 64 * 1024  # longer lines are cut; the rest follows as another line
+MAX_LINE = 64 * 1024  # bytes; longer lines are cut (between characters), the rest follows
 
-#: One captured line: (origin, rank, seq, time, stream, text)
-Line = tuple[str, int, int, float, str, str]
+#: One captured line: (origin, rank, seq, time, stream, text), and for a line that is not
+#: UTF-8 a 7th field: base64 of its exact bytes (``text`` then shows U+FFFD for bad bytes).
+Line = tuple[str, int, int, float, str, str] | tuple[str, int, int, float, str, str, str]
 
 
 @dataclass
@@ -71,19 +79,41 @@ class RankTailer:
         return count
 
     def _lines(self, st: _Stream, chunk: bytes, now: float) -> int:
-        texts = chunk.decode("utf-8", errors="replace").split("\n")
+        pieces = chunk.split(b"\n")
         if chunk.endswith(b"\n"):
-            texts.pop()
-        if any(len(t) > MAX_LINE for t in texts):
-            texts = [t[i : i + MAX_LINE] for t in texts for i in range(0, max(len(t), 1), MAX_LINE)]
+            pieces.pop()
+        parts = [part for piece in pieces for part in cut_line(piece.rstrip(b"\r"))]
         first = self._seq.get(st.rank, 0) + 1
-        self._seq[st.rank] = first + len(texts) - 1
+        self._seq[st.rank] = first + len(parts) - 1
         rank, stream = st.rank, st.stream
-        self.emit(
-            [("rank", rank, first + i, now, stream, t.rstrip("\r")) for i, t in enumerate(texts)]
-        )
-        self.tails.setdefault(rank, deque(maxlen=self.tail_size)).extend(texts[-self.tail_size :])
-        return len(texts)
+        lines = [line_fields("rank", rank, first + i, now, stream, p) for i, p in enumerate(parts)]
+        self.emit(lines)
+        tail = self.tails.setdefault(rank, deque(maxlen=self.tail_size))
+        tail.extend(line[5] for line in lines[-self.tail_size :])
+        return len(lines)
+
+
+def cut_line(data: bytes, most: int = MAX_LINE) -> list[bytes]:
+    """``data`` in pieces of at most ``most`` bytes, cut between UTF-8 characters when it can."""
+    parts = []
+    while len(data) > most:
+        cut = most
+        # Back off over continuation bytes (10xxxxxx) so a character is not split in two.
+        while cut > most - 3 and data[cut] & 0xC0 == 0x80:
+            cut -= 1
+        parts.append(data[:cut])
+        data = data[cut:]
+    parts.append(data)
+    return parts
+
+
+def line_fields(origin: str, rank: int, seq: int, now: float, stream: str, data: bytes) -> Line:
+    """The wire form of one line: its text, plus base64 of its bytes when they are not UTF-8."""
+    try:
+        return (origin, rank, seq, now, stream, data.decode("utf-8"))
+    except UnicodeDecodeError:
+        text = data.decode("utf-8", errors="replace")
+        return (origin, rank, seq, now, stream, text, base64.b64encode(data).decode("ascii"))
 
 
 _ROOT_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)")

@@ -11,6 +11,7 @@ from urllib.parse import urlparse
 
 import psutil
 
+from muster.errors import UserError
 from muster.spec import Gpus, NetworkCaps, WorkerInventory
 
 _PROBE = """
@@ -78,16 +79,30 @@ def advertise_address_for(controller_url: str) -> str:
         return str(s.getsockname()[0])
 
 
-def interface_of(address: str) -> str:
+def interface_of(address: str) -> str | None:
+    """The local interface that holds ``address``; None when none does (a NAT's or an
+    elastic address): the ranks then bind where torch decides, unless --interface says."""
     for name, addrs in psutil.net_if_addrs().items():
         if any(a.address == address for a in addrs):
             return name
-    return "lo" if ipaddress.ip_address(address).is_loopback else "eth0"
+    return "lo" if ipaddress.ip_address(address).is_loopback else None
 
 
-def network_caps(address: str, private_network: str | None) -> NetworkCaps:
+def check_interface(name: str) -> str:
+    """``muster agent --interface NAME``: it must exist on this machine."""
+    present = sorted(psutil.net_if_addrs())
+    if name not in present:
+        raise UserError(
+            f"--interface {name}: no such interface here; pick one of {', '.join(present)}"
+        )
+    return name
+
+
+def network_caps(
+    address: str, private_network: str | None, interface: str | None = None
+) -> NetworkCaps:
     """Hosts on one loopback, or on one declared (or same /24) network, share a private path."""
-    iface = interface_of(address)
+    iface = interface or interface_of(address)
     if ipaddress.ip_address(address).is_loopback:
         net_id = f"loopback:{socket.gethostname()}"
     elif private_network:
@@ -108,6 +123,7 @@ def collect(
     address: str,
     private_network: str | None = None,
     labels: dict[str, str] | None = None,
+    interface: str | None = None,
 ) -> WorkerInventory:
     py = probe_python(python)
     gpus = probe_gpus()
@@ -121,6 +137,6 @@ def collect(
         torchrun=bool(py.get("torchrun")),
         backends=backends,
         gpus=gpus,
-        network=network_caps(address, private_network),
+        network=network_caps(address, private_network, interface),
         labels=labels or {},
     )

@@ -13,15 +13,16 @@ import shutil
 import signal
 import sys
 import tarfile
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import httpx
 import psutil
 
-from muster.agent.capture import Line, RankTailer, list_outputs, root_cause
+from muster.agent.capture import Line, RankTailer, line_fields, list_outputs, root_cause
 from muster.agent.reaper import terminate
 from muster.errors import InfrastructureError
 from muster.plan import GangAddressing, launch_env, torchrun_argv
@@ -31,6 +32,8 @@ from muster.wire import Kind
 log = logging.getLogger("muster.agent")
 
 Send = Callable[[Kind, dict[str, Any]], Awaitable[None]]
+# How torchrun is started: asyncio.create_subprocess_exec (a seam for the tests).
+Spawn = Callable[..., Awaitable[asyncio.subprocess.Process]]
 POLL_S = 0.05
 REAPER_DELAY_S = 5.0
 
@@ -48,6 +51,9 @@ class MemberRun:
         send: Send,
         emit: Callable[[list[Line]], None],
         grace: float,
+        alive_file: Path | None = None,
+        watchdog_timeout: float = 30.0,
+        spawn: Spawn = asyncio.create_subprocess_exec,
     ) -> None:
         self.job = str(assignment["job"])
         self.epoch = int(assignment["epoch"])
@@ -71,6 +77,10 @@ class MemberRun:
         self.launcher_lines: deque[str] = deque(maxlen=400)
         self._launcher_seq = 0
         self.task: asyncio.Task[None] | None = None
+        self._stop_task: asyncio.Task[None] | None = None
+        self.watchdog_timeout = watchdog_timeout
+        self.alive_file = alive_file
+        self.spawn = spawn
 
     def ids(self) -> dict[str, Any]:
         return {"job": self.job, "epoch": self.epoch, "node_rank": self.node}
@@ -110,7 +120,7 @@ class MemberRun:
         env = launch_env(
             self.spec, self.node, addressing, node_env=os.environ, output_dir=str(out_dir)
         )
-        self.proc = await asyncio.create_subprocess_exec(
+        self.proc = await self.spawn(
             *argv,
             cwd=run_dir,
             env=env,
@@ -122,6 +132,10 @@ class MemberRun:
         )
         reaper = asyncio.create_task(self._reaper(self.proc.pid))
         await self.send(Kind.MEMBER_STARTED, {**self.ids(), "pid": self.proc.pid})
+        if self.stopping:
+            # A STOP that came while torchrun was being spawned found no process to end:
+            # end it now, so no rank outlives its job.
+            self._stop_task = asyncio.create_task(self._end_tree(self.stopping))
         procs = self.spec.gang.procs_per_worker
         tailer = RankTailer(capture_dir, self.node * procs, procs, self.emit)
         assert self.proc.stdout is not None
@@ -151,6 +165,8 @@ class MemberRun:
             str(os.getpid()),
             str(pid),
             str(self.grace),
+            str(self.alive_file or ""),
+            str(self.watchdog_timeout),
             stdin=asyncio.subprocess.DEVNULL,
             start_new_session=True,
         )
@@ -184,14 +200,15 @@ class MemberRun:
             raw = await stream.readline()
             if not raw:
                 return
-            self._launcher_line(name, raw.decode("utf-8", errors="replace").rstrip("\r\n"))
+            self._launcher_line(name, raw.rstrip(b"\r\n"))
 
-    def _launcher_line(self, stream: str, text: str) -> None:
-        import time
-
+    def _launcher_line(self, stream: str, text: str | bytes) -> None:
+        """One line of torchrun's own output (or muster's about the member), kept losslessly."""
+        data = text.encode() if isinstance(text, str) else text
         self._launcher_seq += 1
-        self.launcher_lines.append(text)
-        self.emit([("node", self.node, self._launcher_seq, time.time(), stream, text)])
+        line = line_fields("node", self.node, self._launcher_seq, time.time(), stream, data)
+        self.launcher_lines.append(line[5])
+        self.emit([line])
 
     async def _fetch_bundle(self, run_dir: Path) -> None:
         response = await self.http.get(f"/v1/bundles/{self.bundle}")
@@ -200,8 +217,7 @@ class MemberRun:
         data = response.content
         if hashlib.sha256(data).hexdigest() != self.bundle:
             raise InfrastructureError(f"bundle {self.bundle}: checksum mismatch")
-        with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
-            tar.extractall(run_dir, filter="data")
+        await asyncio.to_thread(unpack_bundle, data, run_dir)
 
     async def _upload(self, out_dir: Path) -> None:
         files: list[str] = []
@@ -226,15 +242,49 @@ class MemberRun:
         await self.send(Kind.ARTIFACTS_DONE, {**self.ids(), "files": files, "errors": errors})
 
     async def stop(self, reason: str) -> None:
-        """Kill the member's whole process tree: SIGTERM, then SIGKILL after the grace."""
+        """Kill the member's whole process tree: SIGTERM, then SIGKILL after the grace.
+
+        Before torchrun runs, the stop is remembered: the run never starts it, or (when the
+        spawn was already under way) ends it the moment it exists.
+        """
         if self.stopping:
             return
         self.stopping = reason
+        if self.proc is None:
+            return
+        await self._end_tree(reason)
+
+    async def _end_tree(self, reason: str) -> None:
         proc = self.proc
         if proc is None or proc.returncode is not None:
             return
         self._launcher_line("stderr", f"muster: stopping: {reason}")
-        await asyncio.to_thread(kill_tree, proc.pid, self.grace)
+        # torchrun is this process's child: asyncio reaps it (and keeps its real exit
+        # status); only the grandchildren are waited for here.
+        signal_tree(proc.pid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(proc.wait(), self.grace)
+        except TimeoutError:
+            signal_tree(proc.pid, signal.SIGKILL)
+        await asyncio.to_thread(kill_tree, proc.pid, self.grace, include_root=False)
+
+
+def unpack_bundle(data: bytes, dest: Path) -> None:
+    """Unpack a source bundle (tar.gz) into ``dest``, refusing anything that would land
+    outside it: absolute names, '..', and symbolic or hard links that point out of the
+    tree (tarfile's "data" filter), as well as devices and other special files."""
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+            for member in tar.getmembers():
+                # The data filter would quietly strip a leading '/': refuse it instead.
+                if member.name.startswith("/") or ".." in PurePosixPath(member.name).parts:
+                    raise InfrastructureError(
+                        f"the bundle is unsafe to unpack: {member.name!r} is not a path "
+                        "inside the workdir"
+                    )
+            tar.extractall(dest, filter="data")
+    except tarfile.FilterError as exc:
+        raise InfrastructureError(f"the bundle is unsafe to unpack: {exc}") from exc
 
 
 def _term_with_parent() -> None:
@@ -245,13 +295,30 @@ def _term_with_parent() -> None:
         libc.prctl(1, signal.SIGTERM, 0, 0, 0)
 
 
-def kill_tree(pid: int, grace: float) -> None:
-    """SIGTERM the process, its group and every descendant; SIGKILL what is left after grace."""
+def signal_tree(pid: int, sig: int) -> None:
+    """Send ``sig`` to the process's group and to every descendant it has now."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
     try:
-        root = psutil.Process(pid)
-        family = [root, *root.children(recursive=True)]
+        family = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
     except psutil.NoSuchProcess:
         return
+    for proc in family:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.send_signal(sig)
+
+
+def kill_tree(pid: int, grace: float, *, include_root: bool = True) -> None:
+    """SIGTERM the process, its group and every descendant; SIGKILL what is left after grace.
+
+    With ``include_root=False`` the root is left to its parent to reap (waiting on it here
+    would reap it first, and its parent would then read exit status 255).
+    """
+    try:
+        root = psutil.Process(pid)
+        family = [root, *root.children(recursive=True)] if include_root else root.children(True)
+    except psutil.NoSuchProcess:
+        family = []
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGTERM)
     terminate(family, grace)

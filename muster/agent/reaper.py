@@ -1,17 +1,21 @@
-"""A watchdog per member: if the agent dies (even by SIGKILL), end the member's processes.
+"""A watchdog per member: if the agent dies or hangs, end the member's processes.
 
 PR_SET_PDEATHSIG already sends torchrun SIGTERM when the agent dies, but torchrun can then
 wait minutes on a rendezvous store that is gone. The reaper runs in its own session,
-remembers the member's whole process tree while it runs, and when the agent is gone it
-sends SIGTERM to all of it, then SIGKILL after the grace period. It exits when the member
-does.
+remembers the member's whole process tree while it runs, and when the agent is gone, or
+alive but silent (it touches ALIVE_FILE every second; a stopped or wedged agent does not)
+for TIMEOUT seconds, it sends SIGTERM to all of it, then SIGKILL after the grace period.
+The controller fails the job of a silent agent after its heartbeat timeout, so with
+TIMEOUT near that, no process of a job reported failed outlives it by much. The reaper
+exits when the member does.
 
-    python -m muster.agent.reaper AGENT_PID MEMBER_PID GRACE_SECONDS
+    python -m muster.agent.reaper AGENT_PID MEMBER_PID GRACE_SECONDS [ALIVE_FILE TIMEOUT]
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 import time
@@ -31,22 +35,51 @@ def terminate(procs: list[psutil.Process], grace: float) -> None:
     psutil.wait_procs(alive, timeout=grace)
 
 
-def watch(agent_pid: int, member_pid: int, grace: float, poll: float = 0.5) -> None:
+def _silent_for(alive_file: str) -> float:
+    try:
+        return time.time() - os.stat(alive_file).st_mtime
+    except OSError:
+        return 0.0  # no file to judge by: only the agent's death counts
+
+
+def _agent_gone(agent: psutil.Process) -> bool:
+    try:
+        return not agent.is_running() or agent.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def watch(
+    agent_pid: int,
+    member_pid: int,
+    grace: float,
+    alive_file: str = "",
+    timeout: float = 0.0,
+    poll: float = 0.5,
+) -> None:
     try:
         agent = psutil.Process(agent_pid)
         member = psutil.Process(member_pid)
     except psutil.NoSuchProcess:
         return
     family: dict[int, psutil.Process] = {member.pid: member}
-    while member.is_running():
+    while member.is_running() and member.status() != psutil.STATUS_ZOMBIE:
         with contextlib.suppress(psutil.NoSuchProcess):
             for child in member.children(recursive=True):
                 family.setdefault(child.pid, child)
-        if not agent.is_running() or agent.status() == psutil.STATUS_ZOMBIE:
+        hung = bool(alive_file) and timeout > 0 and _silent_for(alive_file) > timeout
+        if _agent_gone(agent) or hung:
             terminate([p for p in family.values() if p.is_running()], grace)
             return
         time.sleep(poll)
 
 
 if __name__ == "__main__":
-    watch(int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]))
+    args = sys.argv[1:]
+    watch(
+        int(args[0]),
+        int(args[1]),
+        float(args[2]),
+        args[3] if len(args) > 3 else "",
+        float(args[4]) if len(args) > 4 else 0.0,
+    )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import sys
 from pathlib import Path
@@ -11,11 +12,12 @@ from pathlib import Path
 import typer
 
 from muster.agent.agent import Agent, AgentConfig
-from muster.agent.inventory import advertise_address_for, collect
+from muster.agent.inventory import advertise_address_for, check_interface, collect
+from muster.cli.common import read_secret
 from muster.cli.main import app, reports_errors
 from muster.client import controller_url, split_token
 from muster.errors import UserError
-from muster.store import data_dir
+from muster.store import ensure_data_dir
 
 
 @app.command()
@@ -28,8 +30,10 @@ def agent(
         envvar="MUSTER_CONTROLLER",
         help="controller URL [default: http://127.0.0.1:7070]",
     ),
-    token: str = typer.Option(
-        ..., "--token", envvar="MUSTER_TOKEN", help="the join token `muster token` prints"
+    token_file: Path = typer.Option(
+        None,
+        "--token-file",
+        help="file (mode 0600) holding the join string `muster token` prints [or set MUSTER_TOKEN]",
     ),
     name: str = typer.Option(None, help="worker id [default: hostname]"),
     python: str = typer.Option(sys.executable, help="the Python the jobs run with"),
@@ -38,24 +42,38 @@ def agent(
     private_network: str = typer.Option(
         None, help="id of the network this host shares with others [same /24]"
     ),
+    interface: str = typer.Option(
+        None,
+        help="network interface the ranks bind (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME) "
+        "[the one holding the advertise address]",
+    ),
     persist: bool = typer.Option(False, help="dial again forever when the link is lost"),
     grace: float = typer.Option(10.0, help="seconds between SIGTERM and SIGKILL on stop"),
 ) -> None:
     """Dial the controller and run the gang members it assigns here."""
     url = controller_url(controller)
     worker_id = name or socket.gethostname()
-    if not token.strip():
-        raise UserError("--token is empty; copy it from `muster token` on the controller")
+    token = read_secret(token_file, "MUSTER_TOKEN", "the join string")
+    if token is None:
+        raise UserError(
+            "no join string: put what `muster token` prints on the controller in a file "
+            "(chmod 600) and pass --token-file, or set MUSTER_TOKEN"
+        )
+    # The ranks this agent starts never see it (muster.plan.env scrubs it too).
+    os.environ.pop("MUSTER_TOKEN", None)
     secret, pin = split_token(token)
     address = advertise_address or advertise_address_for(url)
+    bound_interface = check_interface(interface) if interface else None
     config = AgentConfig(
         controller=url,
         token=secret,
         fingerprint=pin,
         worker_id=worker_id,
-        work_dir=work_dir or data_dir() / "agents" / worker_id,
+        work_dir=work_dir or ensure_data_dir() / "agents" / worker_id,
         python=python,
-        inventory=lambda: collect(worker_id, python, address, private_network),
+        inventory=lambda: collect(
+            worker_id, python, address, private_network, interface=bound_interface
+        ),
         persist=persist,
         grace=grace,
     )

@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from muster.cli.common import ControllerOpt, TokenOpt, client
+from muster.cli.common import ControllerOpt, TokenFileOpt, client
 from muster.cli.main import app, out, reports_errors
 from muster.errors import InfrastructureError
 
@@ -19,10 +19,10 @@ def artifacts(
     job_id: str = typer.Argument(...),
     download: Path = typer.Option(None, help="copy every artifact under this directory"),
     controller: str = ControllerOpt,
-    token: str = TokenOpt,
+    token_file: Path | None = TokenFileOpt,
 ) -> None:
     """List a job's outputs (node<r>/<path>), or download them all, checksums verified."""
-    api = client(controller, token)
+    api = client(controller, token_file)
     items = api.artifacts(job_id)
     table = Table(box=None, header_style="bold", pad_edge=False)
     for col in ("PATH", "SIZE", "SHA256"):

@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from muster.cli.common import ControllerOpt, TokenOpt, client
+from muster.cli.common import ControllerOpt, TokenFileOpt, client
 from muster.cli.follow import follow_logs
 from muster.cli.main import app, err, out, reports_errors
 from muster.errors import UserError
@@ -22,11 +22,11 @@ def submit(
     job_file: Path = typer.Argument(..., help="the job's YAML file"),
     follow: bool = typer.Option(False, "--follow", "-f", help="stream logs until it ends"),
     controller: str = ControllerOpt,
-    token: str = TokenOpt,
+    token_file: Path | None = TokenFileOpt,
 ) -> None:
     """Validate a job, upload its workdir as the source bundle, and queue it."""
     spec = load_job_file(job_file)
-    api = client(controller, token)
+    api = client(controller, token_file)
     job = api.submit_with_bundle(spec, (job_file.parent / spec.workdir).resolve())
     err.print(f"submitted {job['id']}", markup=False)
     out.print(job["id"], markup=False)
@@ -40,10 +40,10 @@ def submit(
 def get(
     what: str = typer.Argument(..., help="jobs or workers"),
     controller: str = ControllerOpt,
-    token: str = TokenOpt,
+    token_file: Path | None = TokenFileOpt,
 ) -> None:
     """List jobs or workers."""
-    api = client(controller, token)
+    api = client(controller, token_file)
     table = Table(box=None, header_style="bold", pad_edge=False)
     if what in ("jobs", "job"):
         for col in ("JOB", "STATE", "PATH", "SUBMITTED", "WHY PENDING / ROOT CAUSE"):
@@ -78,10 +78,12 @@ def get(
 @app.command()
 @reports_errors
 def describe(
-    job_id: str = typer.Argument(...), controller: str = ControllerOpt, token: str = TokenOpt
+    job_id: str = typer.Argument(...),
+    controller: str = ControllerOpt,
+    token_file: Path | None = TokenFileOpt,
 ) -> None:
     """A job's state, members, addresses, rank ranges, events and root cause."""
-    job = client(controller, token).job(job_id)
+    job = client(controller, token_file).job(job_id)
     out.print(
         f"[bold]{job['id']}[/]  {job['state']}  world size {job['world_size']}"
         f"  path {job['path_class'] or '-'}"
@@ -117,8 +119,10 @@ def describe(
 @app.command()
 @reports_errors
 def cancel(
-    job_id: str = typer.Argument(...), controller: str = ControllerOpt, token: str = TokenOpt
+    job_id: str = typer.Argument(...),
+    controller: str = ControllerOpt,
+    token_file: Path | None = TokenFileOpt,
 ) -> None:
     """Cancel a job: stop its running members, cancel the rest."""
-    job = client(controller, token).cancel(job_id)
+    job = client(controller, token_file).cancel(job_id)
     out.print(f"{job['id']} {job['state']}", markup=False)

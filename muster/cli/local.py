@@ -59,9 +59,10 @@ class LocalCluster:
     heartbeat_timeout: float = 15.0
     heartbeat_interval: float = 3.0
     agent_args: list[str] = field(default_factory=list)
+    server_args: list[str] = field(default_factory=list)
     tls: bool = False
     port: int = 0
-    _token: str = ""
+    _tokens: dict[str, str] = field(default_factory=dict)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     _tmp: tempfile.TemporaryDirectory[str] | None = None
 
@@ -96,14 +97,17 @@ class LocalCluster:
         env["MUSTER_DATA_DIR"] = str(self.data_dir)
         env.pop("MUSTER_CONTROLLER", None)
         env.pop("MUSTER_TOKEN", None)
+        env.pop("MUSTER_API_TOKEN", None)
         return env
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+    def _spawn(
+        self, name: str, args: list[str], env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
         assert self.data_dir is not None
         log = open(self.data_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the process
         proc = subprocess.Popen(
             [sys.executable, "-m", "muster", *args],
-            env=self._env(),
+            env={**self._env(), **(env or {})},
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -127,7 +131,7 @@ class LocalCluster:
             args += ["--db", self.db]
         if self.tls:
             args.append("--tls")
-        self._spawn("server", args)
+        self._spawn("server", [*args, *self.server_args])
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             with contextlib.suppress(httpx.HTTPError):
@@ -139,20 +143,33 @@ class LocalCluster:
             time.sleep(0.1)
         raise InfrastructureError(f"the controller did not start; see {self.log('server')}")
 
-    def token(self) -> str:
-        if self._token:
-            return self._token
-        done = subprocess.run(
-            [sys.executable, "-m", "muster", "token"] + (["--db", self.db] if self.db else []),
-            env=self._env(),
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
-        )
-        return done.stdout.strip()
+    def _muster_token(self, *flags: str) -> str:
+        key = " ".join(flags)
+        if key not in self._tokens:
+            done = subprocess.run(
+                [sys.executable, "-m", "muster", "token", *flags]
+                + (["--db", self.db] if self.db else []),
+                env=self._env(),
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=True,
+            )
+            self._tokens[key] = done.stdout.strip()
+        return self._tokens[key]
 
-    def start_agent(self, name: str, extra: list[str] | None = None) -> subprocess.Popen[bytes]:
+    def token(self) -> str:
+        """The API token string (`muster token --api`): what users and the SDK send."""
+        return self._muster_token("--api")
+
+    def join_token(self) -> str:
+        """The join string (`muster token`): what agents prove they hold."""
+        return self._muster_token()
+
+    def start_agent(
+        self, name: str, extra: list[str] | None = None, join: str | None = None
+    ) -> subprocess.Popen[bytes]:
+        """Start an agent; it reads the join string from MUSTER_TOKEN, never from argv."""
         assert self.data_dir is not None
         return self._spawn(
             name,
@@ -160,8 +177,6 @@ class LocalCluster:
                 "agent",
                 "--controller",
                 self.url,
-                "--token",
-                self.token(),
                 "--name",
                 name,
                 "--work-dir",
@@ -169,6 +184,7 @@ class LocalCluster:
                 *self.agent_args,
                 *(extra or []),
             ],
+            env={"MUSTER_TOKEN": join if join is not None else self.join_token()},
         )
 
     def wait_for_workers(self, count: int, timeout: float = 90) -> None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 
-from muster.cli.common import ControllerOpt, TokenOpt, client
+from muster.cli.common import ControllerOpt, TokenFileOpt, client
 from muster.cli.follow import follow_logs
 from muster.cli.main import app, reports_errors
 
@@ -17,7 +19,7 @@ def logs(
     rank: int = typer.Option(None, help="only this global rank"),
     node: int = typer.Option(None, help="only the ranks of this node"),
     controller: str = ControllerOpt,
-    token: str = TokenOpt,
+    token_file: Path | None = TokenFileOpt,
 ) -> None:
     """Print a job's lines as [rankN] text (torchrun's own lines as [nodeR])."""
-    follow_logs(client(controller, token), job_id, rank=rank, node=node, follow=follow)
+    follow_logs(client(controller, token_file), job_id, rank=rank, node=node, follow=follow)

@@ -10,9 +10,10 @@ import uvicorn
 
 from muster.cli.main import app, err, reports_errors
 from muster.controller.app import ControllerConfig, create_app, is_loopback
+from muster.controller.links import LINK_MAX_BYTES
 from muster.controller.tls import controller_certificate, fingerprint, write_pem_files
 from muster.errors import UserError
-from muster.store import data_dir, open_store
+from muster.store import ensure_data_dir, open_store
 
 
 @app.command()
@@ -29,10 +30,14 @@ def server(
     ),
     tls_cert: Path = typer.Option(None, help="PEM certificate [made at first start]"),
     tls_key: Path = typer.Option(None, help="PEM key for --tls-cert"),
+    max_bundle_mb: int = typer.Option(512, help="largest source bundle accepted, in MiB"),
+    max_artifact_mb: int = typer.Option(8192, help="largest single output file, in MiB"),
 ) -> None:
     """Run the controller: HTTP API, agents' control links and /metrics on one port."""
     if heartbeat_timeout <= heartbeat_interval:
         raise UserError("--heartbeat-timeout must exceed --heartbeat-interval")
+    if max_bundle_mb < 1 or max_artifact_mb < 1:
+        raise UserError("--max-bundle-mb and --max-artifact-mb must be at least 1")
     store = open_store(db)
     loopback = is_loopback(host)
     if tls is None:
@@ -42,15 +47,17 @@ def server(
     cert_pem, key_pem = controller_certificate(store, tls_cert, tls_key)
     cert_file = key_file = None
     if tls:
-        cert_path, key_path = write_pem_files(data_dir() / "tls", cert_pem, key_pem)
+        cert_path, key_path = write_pem_files(ensure_data_dir() / "tls", cert_pem, key_pem)
         cert_file, key_file = str(cert_path), str(key_path)
     config = ControllerConfig(
         store=store,
-        artifacts=artifacts or data_dir() / "artifacts",
+        artifacts=artifacts or ensure_data_dir() / "artifacts",
         host=host,
         heartbeat_interval=heartbeat_interval,
         heartbeat_timeout=heartbeat_timeout,
         tls=tls,
+        max_bundle_bytes=max_bundle_mb << 20,
+        max_artifact_bytes=max_artifact_mb << 20,
     )
     application = create_app(config)
     where = store.db.engine.url.render_as_string(hide_password=True)
@@ -58,8 +65,8 @@ def server(
     err.print(f"muster controller on {scheme}://{host}:{port} (database {where})", markup=False)
     if tls:
         err.print(
-            f"TLS certificate sha256:{fingerprint(cert_pem)}; every API call and agent "
-            "needs the join string `muster token` prints",
+            f"TLS certificate sha256:{fingerprint(cert_pem)}; agents need the join string "
+            "`muster token` prints, API calls the one `muster token --api` prints",
             markup=False,
         )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -68,7 +75,8 @@ def server(
         host=host,
         port=port,
         log_level="warning",
-        ws_max_size=64 << 20,
+        ws="websockets-sansio",  # its per-frame size cap keeps handshakes to a few KiB
+        ws_max_size=LINK_MAX_BYTES,
         ssl_certfile=cert_file,
         ssl_keyfile=key_file,
     )

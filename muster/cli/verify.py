@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from muster.cli.common import ControllerOpt, TokenOpt, client
+from muster.cli.common import ControllerOpt, TokenFileOpt, client
 from muster.cli.main import app, out, reports_errors
 from muster.client import Client
 from muster.errors import FieldError, SpecError, UserError
@@ -27,7 +27,7 @@ def verify_fabric(
     namespace: str = typer.Option("default", "--namespace", "-n", help="with --k8s"),
     context: str | None = typer.Option(None, "--context", help="with --k8s: kubeconfig context"),
     controller: str | None = ControllerOpt,
-    token: str | None = TokenOpt,
+    token_file: Path | None = TokenFileOpt,
 ) -> None:
     """Read NCCL's 'Using network' banner per rank. Exit 0 attached, 1 fallback, 3 unknown."""
     given = [s for s in (source, k8s, job) if s]
@@ -47,7 +47,7 @@ def verify_fabric(
 
         lines = Cluster.connect(namespace, context).logs(k8s)
     else:
-        lines = _stored(client(controller, token), str(job))
+        lines = _stored(client(controller, token_file), str(job))
     report = analyse(lines, fabric)
     colour = COLOURS[report.verdict]
     out.print(f"[{colour}]{report.verdict}[/]: ", end="", markup=True)

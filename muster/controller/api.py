@@ -10,15 +10,20 @@ from typing import Any
 from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import FileResponse
 
+from muster.controller.auth import require_agent, require_user
 from muster.controller.files import FileStore
 from muster.controller.gangs import Controller
-from muster.errors import BadRequest, FieldError, NotFound, SpecError
+from muster.errors import BadRequest, FieldError, Forbidden, NotFound, SpecError
 from muster.plan import rank_plan
 from muster.spec import JobState, parse_job
 from muster.store import Store
 from muster.store.models import Job
 
+# Who may call each route: see muster.controller.auth. ``router`` is open (health only),
+# ``users`` wants the API token, and agent routes take ``Depends(require_agent)``.
 router = APIRouter(prefix="/v1")
+users = APIRouter(prefix="/v1", dependencies=[Depends(require_user)])
+agents = APIRouter(prefix="/v1")
 
 
 def controller(request: Request) -> Controller:
@@ -31,16 +36,6 @@ def store(request: Request) -> Store:
 
 def files(request: Request) -> FileStore:
     return request.app.state.files  # type: ignore[no-any-return]
-
-
-def check_ticket(request: Request, authorization: str = Header(default="")) -> str:
-    """HTTP calls an agent makes carry its session's ticket: ``Authorization: Ticket T``."""
-    ticket = authorization.removeprefix("Ticket ").strip()
-    ctl = controller(request)
-    for link in ctl.links.values():
-        if ticket and link.ticket == ticket:
-            return link.worker_id
-    raise PermissionError("a valid agent ticket is required")
 
 
 @router.get("/health")
@@ -66,7 +61,7 @@ def job_summary(job: Job) -> dict[str, Any]:
     }
 
 
-@router.post("/jobs", status_code=201)
+@users.post("/jobs", status_code=201)
 async def submit(request: Request) -> dict[str, Any]:
     body = await request.json()
     if not isinstance(body, dict) or "spec" not in body:
@@ -81,13 +76,13 @@ async def submit(request: Request) -> dict[str, Any]:
     return job_summary(job)
 
 
-@router.get("/jobs")
+@users.get("/jobs")
 async def list_jobs(request: Request) -> list[dict[str, Any]]:
     jobs = await controller(request).db(store(request).jobs)
     return [job_summary(j) for j in jobs]
 
 
-@router.get("/jobs/{job_id}")
+@users.get("/jobs/{job_id}")
 async def describe(job_id: str, request: Request) -> dict[str, Any]:
     st, ctl = store(request), controller(request)
     job = await ctl.db(st.job, job_id)
@@ -127,7 +122,7 @@ async def describe(job_id: str, request: Request) -> dict[str, Any]:
     }
 
 
-@router.post("/jobs/{job_id}/cancel")
+@users.post("/jobs/{job_id}/cancel")
 async def cancel(job_id: str, request: Request) -> dict[str, Any]:
     ctl = controller(request)
     await ctl.cancel(job_id)
@@ -137,7 +132,7 @@ async def cancel(job_id: str, request: Request) -> dict[str, Any]:
 # ---- logs --------------------------------------------------------------------------------
 
 
-@router.get("/jobs/{job_id}/logs")
+@users.get("/jobs/{job_id}/logs")
 async def logs(
     job_id: str,
     request: Request,
@@ -159,9 +154,6 @@ async def logs(
     if rank is not None:
         ranks = [rank] if ranks is None or rank in ranks else []
     lines = await ctl.db(st.logs_after, job_id, cursor, ranks=ranks, limit=min(limit, 50_000))
-    for line in lines:
-        key = f"{line.origin}{line.rank}"
-        cursor[key] = max(cursor.get(key, 0), line.seq)
     return {
         "job": job_id,
         "state": job.state,
@@ -173,28 +165,39 @@ async def logs(
                 "time": ln.time_us / 1e6,
                 "stream": ln.stream,
                 "text": ln.text,
+                **({"raw_b64": ln.raw_b64} if ln.raw_b64 else {}),
             }
             for ln in lines
         ],
-        "next": _encode_cursor(cursor),
+        "next": _encode_cursor(lines[-1].ingest_id if lines else cursor),
     }
 
 
-def _decode_cursor(text: str) -> dict[str, int]:
+def _decode_cursor(text: str) -> int:
+    """The ingest id of the last line the caller saw (0: none yet)."""
     if not text:
-        return {}
+        return 0
     try:
         data = json.loads(base64.urlsafe_b64decode(text.encode()))
-        return {str(k): int(v) for k, v in data.items()}
-    except (ValueError, AttributeError) as exc:
+    except ValueError as exc:
         raise BadRequest("after: not a cursor this API returned") from exc
+    if isinstance(data, bool) or not isinstance(data, int) or data < 0:
+        raise BadRequest("after: not a cursor this API returned; start again without it")
+    return data
 
 
-def _encode_cursor(cursor: dict[str, int]) -> str:
+def _encode_cursor(cursor: int) -> str:
     return base64.urlsafe_b64encode(json.dumps(cursor).encode()).decode()
 
 
 # ---- bundles and artifacts ---------------------------------------------------------------
+
+
+def _declared_size(request: Request) -> int:
+    try:
+        return int(request.headers.get("content-length") or 0)
+    except ValueError as exc:
+        raise BadRequest("Content-Length is not a number") from exc
 
 
 async def _chunks(request: Request) -> AsyncIterator[bytes]:
@@ -203,35 +206,40 @@ async def _chunks(request: Request) -> AsyncIterator[bytes]:
             yield chunk
 
 
-@router.post("/bundles", status_code=201)
+@users.post("/bundles", status_code=201)
 async def upload_bundle(request: Request) -> dict[str, Any]:
+    files(request).bundle_limit().check(_declared_size(request))
     sha, size = await files(request).save_bundle(_chunks(request))
     return {"sha256": sha, "size": size}
 
 
-@router.get("/bundles/{sha256}")
+@agents.get("/bundles/{sha256}")
 async def download_bundle(
-    sha256: str, request: Request, _worker: str = Depends(check_ticket)
+    sha256: str, request: Request, worker: str = Depends(require_agent)
 ) -> FileResponse:
+    """The source bundle of a job this agent is placed in (and no other)."""
     path = files(request).bundle_path(sha256)
+    if not controller(request).runs_bundle(worker, sha256):
+        raise Forbidden(f"worker {worker} is placed in no running job with bundle {sha256}")
     if not path.is_file():
         raise NotFound(f"no bundle {sha256}")
     return FileResponse(path, media_type="application/gzip")
 
 
-@router.put("/jobs/{job_id}/artifacts/{node_rank}/{rel:path}", status_code=201)
+@agents.put("/jobs/{job_id}/artifacts/{node_rank}/{rel:path}", status_code=201)
 async def upload_artifact(
     job_id: str,
     node_rank: int,
     rel: str,
     request: Request,
     x_muster_sha256: str = Header(...),
-    worker: str = Depends(check_ticket),
+    worker: str = Depends(require_agent),
 ) -> dict[str, Any]:
     st, ctl = store(request), controller(request)
     members = await ctl.db(st.members, job_id)
     if not any(m.node_rank == node_rank and m.worker_id == worker for m in members):
-        raise BadRequest(f"worker {worker} is not node{node_rank} of job {job_id}")
+        raise Forbidden(f"worker {worker} is not node{node_rank} of job {job_id}")
+    files(request).artifact_limit(rel).check(_declared_size(request))
     size = await files(request).save_artifact(
         job_id, node_rank, rel, _chunks(request), x_muster_sha256
     )
@@ -239,7 +247,7 @@ async def upload_artifact(
     return {"path": f"node{node_rank}/{rel}", "size": size, "sha256": x_muster_sha256}
 
 
-@router.get("/jobs/{job_id}/artifacts")
+@users.get("/jobs/{job_id}/artifacts")
 async def list_artifacts(job_id: str, request: Request) -> list[dict[str, Any]]:
     st, ctl = store(request), controller(request)
     await ctl.db(st.job, job_id)
@@ -254,7 +262,7 @@ async def list_artifacts(job_id: str, request: Request) -> list[dict[str, Any]]:
     ]
 
 
-@router.get("/jobs/{job_id}/artifacts/{node_rank}/{rel:path}")
+@users.get("/jobs/{job_id}/artifacts/{node_rank}/{rel:path}")
 async def download_artifact(
     job_id: str, node_rank: int, rel: str, request: Request
 ) -> FileResponse:
@@ -264,7 +272,7 @@ async def download_artifact(
 # ---- workers -----------------------------------------------------------------------------
 
 
-@router.get("/workers")
+@users.get("/workers")
 async def list_workers(request: Request) -> list[dict[str, Any]]:
     st, ctl = store(request), controller(request)
     rows = await ctl.db(st.worker_rows)
@@ -284,4 +292,4 @@ async def list_workers(request: Request) -> list[dict[str, Any]]:
     ]
 
 
-__all__ = ["JobState", "router"]
+__all__ = ["JobState", "agents", "router", "users"]

@@ -6,22 +6,25 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
-import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from fastapi import FastAPI, Request, Response, WebSocket
+from fastapi import Depends, FastAPI, Request, Response, WebSocket
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from muster.controller.api import router
+from muster.controller.api import agents, router, users
+from muster.controller.auth import Guard, Tickets, credentials, require_user
 from muster.controller.files import FileStore
 from muster.controller.gangs import Controller
 from muster.controller.links import (
     CLOSE_REFUSED,
     CLOSE_SERVER_EXITING,
+    LINK_MAX_BYTES,
+    PRE_AUTH_MAX_BYTES,
     handshake,
+    limit_message_size,
     serve_frames,
 )
 from muster.controller.metrics import Metrics
@@ -40,11 +43,8 @@ class ControllerConfig:
     heartbeat_interval: float = 3.0
     heartbeat_timeout: float = 15.0
     tls: bool = False
-
-
-def join_token(store: Store) -> str:
-    """The join token: made at first start, kept in the database."""
-    return store.setting("join_token", lambda: secrets.token_urlsafe(24))
+    max_bundle_bytes: int = 512 << 20
+    max_artifact_bytes: int = 8 << 30
 
 
 def is_loopback(host: str) -> bool:
@@ -63,8 +63,9 @@ def create_app(config: ControllerConfig) -> FastAPI:
     # their agents are told to stop them when they dial in again.
     store.fail_active_jobs("the controller restarted while the job was running; resubmit it")
     metrics = Metrics()
-    controller = Controller(store, metrics, config.heartbeat_timeout)
-    token = join_token(store)
+    tickets = Tickets()
+    controller = Controller(store, metrics, config.heartbeat_timeout, tickets)
+    creds = credentials(store)
     needs_auth = config.tls or not is_loopback(config.host)
 
     @contextlib.asynccontextmanager
@@ -85,25 +86,16 @@ def create_app(config: ControllerConfig) -> FastAPI:
     app = FastAPI(title="muster", version="0.1.0", lifespan=lifespan)
     app.state.store = store
     app.state.controller = controller
-    app.state.files = FileStore(config.artifacts)
+    app.state.files = FileStore(
+        config.artifacts,
+        max_bundle_bytes=config.max_bundle_bytes,
+        max_artifact_bytes=config.max_artifact_bytes,
+    )
     app.state.metrics = metrics
+    app.state.guard = Guard(creds, tickets, users_need_token=needs_auth)
     app.include_router(router)
-
-    @app.middleware("http")
-    async def require_token(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        # Off loopback every API call carries the token (agents carry their ticket instead).
-        auth = request.headers.get("authorization", "")
-        if (
-            needs_auth
-            and request.url.path.startswith("/v1/")
-            and request.url.path != "/v1/health"
-            and not auth.startswith("Ticket ")
-            and not secrets.compare_digest(auth.encode(), f"Bearer {token}".encode())
-        ):
-            return JSONResponse({"error": "send Authorization: Bearer <token>"}, status_code=401)
-        return await call_next(request)
+    app.include_router(users)
+    app.include_router(agents)
 
     @app.exception_handler(MusterError)
     async def muster_error(_request: Request, exc: MusterError) -> JSONResponse:
@@ -112,21 +104,28 @@ def create_app(config: ControllerConfig) -> FastAPI:
             body["errors"] = [{"field": e.field, "message": e.message} for e in exc.errors]
         return JSONResponse(body, status_code=exc.http_status)
 
-    @app.exception_handler(PermissionError)
-    async def forbidden(_request: Request, exc: PermissionError) -> JSONResponse:
-        return JSONResponse({"error": str(exc)}, status_code=403)
-
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=[Depends(require_user)])
     def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.websocket("/v1/agents/link")
     async def agent_link(ws: WebSocket) -> None:
+        # Until the agent has proven it holds the join secret, a frame is a few KiB at most.
+        limit_message_size(ws, PRE_AUTH_MAX_BYTES)
         await ws.accept()
-        link = await handshake(ws, token, metrics, config.heartbeat_interval)
+        link = await handshake(
+            ws,
+            creds.join_secret,
+            metrics,
+            tickets,
+            config.heartbeat_interval,
+            config.heartbeat_timeout,
+        )
         if link is None:
             return
+        limit_message_size(ws, LINK_MAX_BYTES)
         if not await controller.link_up(link):
+            tickets.revoke(link.ticket)
             await link.send(
                 Kind.ERROR,
                 {

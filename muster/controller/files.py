@@ -7,9 +7,10 @@ import os
 import re
 import tempfile
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from muster.errors import BadRequest, NotFound
+from muster.errors import BadRequest, NotFound, TooLarge
 
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -17,10 +18,14 @@ SHA256 = re.compile(r"^[0-9a-f]{64}$")
 class FileStore:
     """``bundles/<sha256>.tar.gz`` and ``artifacts/<job>/node<r>/<path>`` under one root."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(
+        self, root: Path, *, max_bundle_bytes: int = 512 << 20, max_artifact_bytes: int = 8 << 30
+    ) -> None:
         self.root = root
-        (root / "bundles").mkdir(parents=True, exist_ok=True)
-        (root / "artifacts").mkdir(parents=True, exist_ok=True)
+        self.max_bundle_bytes = max_bundle_bytes
+        self.max_artifact_bytes = max_artifact_bytes
+        for sub in (root, root / "bundles", root / "artifacts"):
+            sub.mkdir(mode=0o700, parents=True, exist_ok=True)
 
     def bundle_path(self, sha256: str) -> Path:
         if not SHA256.match(sha256):
@@ -30,9 +35,16 @@ class FileStore:
     def has_bundle(self, sha256: str) -> bool:
         return self.bundle_path(sha256).is_file()
 
+    def bundle_limit(self) -> Limit:
+        return Limit(self.max_bundle_bytes, "a source bundle", "--max-bundle-mb")
+
+    def artifact_limit(self, rel: str) -> Limit:
+        return Limit(self.max_artifact_bytes, f"artifact {rel}", "--max-artifact-mb")
+
     async def save_bundle(self, chunks: AsyncIterator[bytes]) -> tuple[str, int]:
         """Store an uploaded bundle under its own digest; returns (sha256, size)."""
-        tmp, digest, size = await _spool(chunks, self.root / "bundles")
+        limit = self.bundle_limit()
+        tmp, digest, size = await _spool(chunks, self.root / "bundles", limit)
         target = self.bundle_path(digest)
         os.replace(tmp, target)
         return digest, size
@@ -47,7 +59,8 @@ class FileStore:
         """Stream an artifact to disk; refuse it (keeping nothing) if its sha256 differs."""
         target = self.artifact_path(job_id, node_rank, rel)
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp, digest, size = await _spool(chunks, target.parent)
+        limit = self.artifact_limit(rel)
+        tmp, digest, size = await _spool(chunks, target.parent, limit)
         if digest != sha256:
             os.unlink(tmp)
             raise BadRequest(f"artifact {rel}: sha256 {digest} does not match {sha256}")
@@ -69,15 +82,33 @@ def safe_relative(rel: str) -> PurePosixPath:
     return path
 
 
-async def _spool(chunks: AsyncIterator[bytes], where: Path) -> tuple[str, str, int]:
+@dataclass(frozen=True)
+class Limit:
+    """An upload's size limit, with what it is and the server flag that sets it."""
+
+    most: int
+    what: str
+    flag: str
+
+    def check(self, size: int) -> None:
+        if size > self.most:
+            raise TooLarge(
+                f"{self.what} is over the controller's limit of {self.most >> 20} MiB; "
+                f"raise it with `muster server {self.flag} N`"
+            )
+
+
+async def _spool(chunks: AsyncIterator[bytes], where: Path, limit: Limit) -> tuple[str, str, int]:
+    """Stream to a temporary file, refusing (and keeping nothing) past ``limit``."""
     digest = hashlib.sha256()
     size = 0
     fd, tmp = tempfile.mkstemp(dir=where, prefix=".upload-")
     try:
         with os.fdopen(fd, "wb") as out:
             async for chunk in chunks:
-                digest.update(chunk)
                 size += len(chunk)
+                limit.check(size)
+                digest.update(chunk)
                 out.write(chunk)
     except BaseException:
         os.unlink(tmp)

@@ -23,10 +23,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from muster.controller.auth import Tickets
 from muster.controller.ingest import LogIngest
 from muster.controller.links import Link
 from muster.controller.metrics import Metrics
-from muster.errors import BadRequest, MusterError, PlacementConflict
+from muster.errors import BadRequest, PlacementConflict
 from muster.plan import GangAddressing, gang_addressing
 from muster.scheduler import Placement, PoolIndex, QueuedJob, schedule
 from muster.spec import JobSpec, JobState, MemberState, PathClass, WorkerInventory, WorkerState
@@ -36,7 +37,9 @@ from muster.wire import Frame, Kind
 log = logging.getLogger("muster.controller")
 T = TypeVar("T")
 
-ACTIVE = (JobState.PLACING, JobState.NETWORKING, JobState.RENDEZVOUS, JobState.RUNNING)
+# The path classes this controller sets up. Direct (WireGuard) and relayed come with the
+# gang networking issues; until then a gang that would need them waits, saying so.
+SUPPORTED_PATHS = frozenset({PathClass.PRIVATE})
 
 
 @dataclass
@@ -62,8 +65,11 @@ class GangRun:
 
 
 class Controller:
-    def __init__(self, store: Store, metrics: Metrics, heartbeat_timeout: float) -> None:
+    def __init__(
+        self, store: Store, metrics: Metrics, heartbeat_timeout: float, tickets: Tickets
+    ) -> None:
         self.store = store
+        self.tickets = tickets
         self.metrics = metrics
         self.heartbeat_timeout = heartbeat_timeout
         self.links: dict[str, Link] = {}
@@ -79,21 +85,38 @@ class Controller:
     def request_pass(self) -> None:
         self._wake.set()
 
+    def runs_bundle(self, worker_id: str, sha256: str) -> bool:
+        """Whether the worker is placed in a job (not yet over) whose bundle is ``sha256``."""
+        return any(
+            run.bundle == sha256 and worker_id in run.workers and not run.over
+            for run in self.runs.values()
+        )
+
     # ---- the supervision loop ------------------------------------------------------------
 
     async def supervise(self, tick: float = 0.5) -> None:
-        """Scheduler passes when asked (and every tick), stale links, job timeouts."""
+        """Scheduler passes when asked (and every tick), stale links, job timeouts.
+
+        Runs for the controller's life: a step that fails is logged with its traceback,
+        counted in muster_internal_errors_total{loop="supervise"}, and the loop goes on.
+        """
         while True:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), tick)
             self._wake.clear()
-            try:
-                await self._check_links()
-                await self._check_timeouts()
-                await self.scheduler_pass()
-                await self._update_gauges()
-            except MusterError as exc:
-                log.error("supervision step failed: %s", exc)
+            for step in (
+                self._check_links,
+                self._check_timeouts,
+                self.scheduler_pass,
+                self._update_gauges,
+            ):
+                try:
+                    await step()
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    self.metrics.internal_errors.labels("supervise").inc()
+                    log.exception("supervision step %s failed; going on", step.__name__)
 
     async def _check_links(self) -> None:
         now = time.monotonic()
@@ -128,12 +151,26 @@ class Controller:
             if not queued:
                 return
             views = await self.db(self.store.workers)
-            jobs = [QueuedJob(j.id, self.store.job_spec(j), j.seq) for j in queued]
+            jobs = []
+            for j in queued:
+                try:
+                    jobs.append(QueuedJob(j.id, self.store.job_spec(j), j.seq))
+                except ValueError as exc:  # pydantic's ValidationError is a ValueError
+                    # A stored spec this version no longer accepts: fail that job, place
+                    # the others (it used to stop all placement).
+                    await self.db(
+                        self.store.set_job_state,
+                        j.id,
+                        JobState.FAILED,
+                        f"the stored spec no longer validates ({_first_line(exc)}); "
+                        "fix it and submit the job again",
+                    )
             bundles = {j.id: j.bundle_sha256 for j in queued}
-            for decision in schedule(jobs, PoolIndex(views)):
+            pending: dict[str, str | None] = {}
+            for decision in schedule(jobs, PoolIndex(views), SUPPORTED_PATHS):
                 outcome = decision.outcome
                 if not isinstance(outcome, Placement):
-                    await self.db(self.store.set_why_pending, decision.job_id, outcome.reason)
+                    pending[decision.job_id] = outcome.reason
                     continue
                 try:
                     epoch = await self.db(
@@ -159,6 +196,9 @@ class Controller:
                 self.runs[run.job_id] = run
                 self.logs.note_senders(run.job_id, run.workers)
                 await self._start_rendezvous(run)
+            if pending:
+                # One transaction, and only the reasons that changed are written.
+                await self.db(self.store.set_why_pending_many, pending)
 
     async def _start_rendezvous(self, run: GangRun) -> None:
         await self.db(
@@ -200,6 +240,12 @@ class Controller:
                 if run is None or body.get("epoch") != run.epoch:
                     if kind in (Kind.RENDEZVOUS_READY, Kind.MEMBER_STARTED):
                         await link.send(Kind.STOP, {"job": body.get("job"), "reason": "stale"})
+                    elif kind is Kind.MEMBER_EXITED:
+                        # The member of a job no longer tracked is gone: its worker is free.
+                        await self.db(
+                            self.store.release_worker, link.worker_id, str(body.get("job"))
+                        )
+                        self.request_pass()
                     return
                 node = run.node_of(link.worker_id)
                 if node is None or node != body.get("node_rank", node):
@@ -211,8 +257,7 @@ class Controller:
                 elif kind is Kind.MEMBER_EXITED:
                     await self._member_exited(run, node, body)
                 elif kind is Kind.ARTIFACTS_DONE:
-                    run.uploaded.add(node)
-                    await self._maybe_succeed(run)
+                    await self._outputs_stored(run, node, body)
 
     def _stops_for(self, worker_id: str) -> list[str]:
         return [
@@ -229,11 +274,13 @@ class Controller:
         if inventory.id != link.worker_id:
             await link.send(Kind.ERROR, {"message": "inventory id differs from the link's"})
             return
-        await self.db(self.store.upsert_worker, inventory)
-        for job_id in body.get("running", []):
-            run = self.runs.get(job_id)
-            if run is None or run.over:
-                await link.send(Kind.STOP, {"job": job_id, "reason": "the job is not running"})
+        running = [str(j) for j in body.get("running", [])]
+        # A worker still running a member (of a job that is over: it is told to stop) is
+        # not idle until its agent reports that member gone, in a later INVENTORY.
+        stale = [j for j in running if (r := self.runs.get(j)) is None or r.over]
+        await self.db(self.store.upsert_worker, inventory, draining=bool(stale))
+        for job_id in stale:
+            await link.send(Kind.STOP, {"job": job_id, "reason": "the job is not running"})
         self.request_pass()
 
     async def _published(self, run: GangRun, addr: str, port: int) -> None:
@@ -308,6 +355,22 @@ class Controller:
         await self._maybe_succeed(run)
         self.request_pass()
 
+    async def _outputs_stored(self, run: GangRun, node: int, body: dict[str, Any]) -> None:
+        """The member's outputs went up; an upload that failed fails the job."""
+        errors = [str(e) for e in body.get("errors") or []]
+        if errors and not run.over:
+            shown = "\n".join(f"  {e}" for e in errors[:20])
+            more = f"\n  ... and {len(errors) - 20} more" if len(errors) > 20 else ""
+            await self._fail(
+                run,
+                f"node{node} (worker {run.workers[node]}) could not upload "
+                f"{len(errors)} output file(s); they stay in the agent's work dir:\n"
+                f"{shown}{more}",
+            )
+            return
+        run.uploaded.add(node)
+        await self._maybe_succeed(run)
+
     async def _maybe_succeed(self, run: GangRun) -> None:
         everyone = set(range(len(run.workers)))
         if run.over:
@@ -344,7 +407,7 @@ class Controller:
             # Running members stop now; assigned ones must never start.
             link = self.links.get(worker_id)
             if node not in run.exited and link is not None:
-                await link.send(Kind.STOP, {"job": run.job_id, "reason": cause})
+                await link.send(Kind.STOP, _stop_order(run, node, cause))
         self._forget_if_done(run)
         self.request_pass()
 
@@ -379,6 +442,7 @@ class Controller:
         if self.links.get(link.worker_id) is not link:
             return
         del self.links[link.worker_id]
+        self.tickets.revoke(link.ticket)
         self.metrics.agents.set(len(self.links))
         async with self.lock:
             await self.db(self.store.set_worker_state, link.worker_id, WorkerState.OFFLINE)
@@ -387,13 +451,31 @@ class Controller:
                 return
             for run in list(self.runs.values()):
                 node = run.node_of(link.worker_id)
-                if node is None or node in run.exited:
+                if node is None:
+                    continue
+                if node in run.exited:
+                    if run.over or node in run.uploaded or run.exited[node] != 0:
+                        continue
+                    # It exited 0, but its outputs never arrived: the job cannot succeed.
+                    await self._fail(
+                        run,
+                        f"node{node} (worker {link.worker_id}) was lost before its outputs "
+                        f"were stored: {why}",
+                    )
                     continue
                 run.exited[node] = -1
                 await self.db(self.store.set_member_state, run.job_id, node, MemberState.LOST)
                 await self._fail(run, f"node{node} (worker {link.worker_id}) was lost: {why}")
                 self._forget_if_done(run)
         self.request_pass()
+
+
+def _stop_order(run: GangRun, node: int, reason: str) -> dict[str, Any]:
+    return {"job": run.job_id, "epoch": run.epoch, "node_rank": node, "reason": reason}
+
+
+def _first_line(exc: Exception) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
 def _root_cause(run: GangRun, node: int, body: dict[str, Any]) -> str:

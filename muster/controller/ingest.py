@@ -16,11 +16,13 @@ from typing import Any
 
 from muster.controller.links import Link
 from muster.controller.metrics import Metrics
+from muster.errors import StoreUnavailable
 from muster.store import Store
 from muster.wire import Kind
 
 log = logging.getLogger("muster.controller")
 REMEMBERED_JOBS = 4096
+STORE_ATTEMPTS = 6  # about 30 s of a database outage before a batch is given up
 
 
 class LogIngest:
@@ -49,32 +51,57 @@ class LogIngest:
 
     async def run(self, most: int = 40_000) -> None:
         """Store queued frames: whatever has queued up (up to ``most`` lines) goes in one
-        transaction, then each frame is acked. Runs for the controller's life."""
+        transaction, then each frame is acked. Runs for the controller's life: a batch that
+        fails is logged with its traceback and counted in
+        muster_internal_errors_total{loop="ingest"}, and the loop goes on."""
         while True:
             frames = [await self._queue.get()]
             count = len(frames[0][2] or [])
             while count < most and not self._queue.empty():
                 frames.append(self._queue.get_nowait())
                 count += len(frames[-1][2] or [])
-            by_job: dict[str, list[Any]] = {}
-            good = []
-            for link, job, lines, batch in frames:
-                if not isinstance(lines, list):
-                    self.metrics.frames_refused.labels("malformed").inc()
-                    continue
-                if not await self._may_log(job, link.worker_id):
-                    self.metrics.frames_refused.labels("foreign").inc()
-                    log.warning("%s sent log lines for %s, not its job", link.worker_id, job)
-                    await link.send(Kind.LOGS_ACK, {"job": job, "batch": batch})  # not resent
-                    continue
-                by_job.setdefault(job, []).extend(lines)
-                good.append((link, job, batch))
-            try:
-                stored = await asyncio.to_thread(self.store.append_logs_by_job, by_job)
-            except (TypeError, ValueError) as exc:
+            for attempt in range(STORE_ATTEMPTS):
+                try:
+                    await self._store(frames)
+                    break
+                except asyncio.CancelledError:
+                    raise
+                except StoreUnavailable as exc:  # the database is down: wait, try again
+                    self.metrics.internal_errors.labels("ingest").inc()
+                    log.warning("storing log lines: %s (attempt %d)", exc, attempt + 1)
+                    await asyncio.sleep(min(2.0**attempt, 10.0))
+                except Exception:
+                    self.metrics.internal_errors.labels("ingest").inc()
+                    log.exception("storing %d LOGS frames failed; going on", len(frames))
+                    break
+
+    async def _store(self, frames: list[tuple[Link, str, Any, Any]]) -> None:
+        by_job: dict[str, list[Any]] = {}
+        good = []
+        for link, job, lines, batch in frames:
+            if not isinstance(lines, list):
                 self.metrics.frames_refused.labels("malformed").inc()
-                log.warning("LOGS frames with bad lines: %s", exc)
                 continue
-            self.metrics.log_lines.inc(stored)
-            for link, job, batch in good:
-                await link.send(Kind.LOGS_ACK, {"job": job, "batch": batch})
+            if not await self._may_log(job, link.worker_id):
+                self.metrics.frames_refused.labels("foreign").inc()
+                log.warning("%s sent log lines for %s, not its job", link.worker_id, job)
+                await link.send(Kind.LOGS_ACK, {"job": job, "batch": batch})  # not resent
+                continue
+            by_job.setdefault(job, []).extend(lines)
+            good.append((link, job, batch))
+        # Lines a database cannot take (a shape it refuses, a byte its engine cannot hold)
+        # are set aside with the reason, recorded on their job; the rest are stored, and
+        # every frame is acked so no agent resends a poison batch for ever.
+        result = await asyncio.to_thread(self.store.append_logs_salvaging, by_job)
+        if result.rejected:
+            self.metrics.frames_refused.labels("poison").inc(len(result.rejected))
+            first = result.rejected[0]
+            log.warning(
+                "quarantined %d log line(s); the first, of %s: %s",
+                len(result.rejected),
+                first.job_id,
+                first.reason,
+            )
+        self.metrics.log_lines.inc(result.stored)
+        for link, job, batch in good:
+            await link.send(Kind.LOGS_ACK, {"job": job, "batch": batch})

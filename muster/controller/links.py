@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -13,6 +12,7 @@ from typing import Any
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from muster import wire
+from muster.controller.auth import Tickets
 from muster.controller.metrics import Metrics
 from muster.errors import MusterError
 from muster.wire import Frame, FrameRefused, Kind
@@ -20,6 +20,9 @@ from muster.wire import Frame, FrameRefused, Kind
 log = logging.getLogger("muster.controller")
 
 HANDSHAKE_TIMEOUT_S = 10.0
+SEND_TIMEOUT_S = 10.0  # a peer that takes longer to accept one frame is dropped
+PRE_AUTH_MAX_BYTES = 4096  # CHALLENGE/AUTH are a few hundred bytes
+LINK_MAX_BYTES = wire.MAX_PAYLOAD + wire.HEADER.size + wire.MAC_SIZE
 CLOSE_AUTH_FAILED = 4401
 CLOSE_REFUSED = 4409
 CLOSE_SERVER_EXITING = 1012  # what uvicorn sends every WebSocket when the controller stops
@@ -38,56 +41,110 @@ class Link:
         self.close_code: int | None = None
         self._send_lock = asyncio.Lock()
 
-    async def send(self, kind: Kind, body: dict[str, Any]) -> bool:
-        """Send a frame; False when the link is already gone."""
+    async def send(self, kind: Kind, body: dict[str, Any], timeout: float = SEND_TIMEOUT_S) -> bool:
+        """Send a frame; False when the link is gone, or is dropped now because the peer
+        did not take the frame within ``timeout`` (it stopped reading)."""
         if self.closed:
             return False
-        async with self._send_lock:
-            try:
+        try:
+            async with asyncio.timeout(timeout), self._send_lock:
                 await self.ws.send_bytes(self.codec.encode(kind, body))
                 return True
-            except (WebSocketDisconnect, RuntimeError, OSError):
-                self.closed = True
-                return False
+        except TimeoutError:
+            log.warning(
+                "worker %s took over %.0fs to accept a %s frame; dropping its link",
+                self.worker_id,
+                timeout,
+                kind.name,
+            )
+            self.closed = True
+            # Closing sends a frame too, to a peer that does not read: bound it as well.
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(1.0):
+                    await self.ws.close(1011)
+            return False
+        except (WebSocketDisconnect, RuntimeError, OSError):
+            self.closed = True
+            return False
 
     async def close(self, code: int = 1000) -> None:
+        """Close the link; never raises (it is called from the supervision loop)."""
         if not self.closed:
             self.closed = True
-            with contextlib.suppress(RuntimeError, OSError):
-                await self.ws.close(code)
+            await _close(self.ws, code)
+
+
+def limit_message_size(ws: WebSocket, size: int) -> bool:
+    """Cap the size of the next messages this WebSocket accepts (bigger: closed with 1009).
+
+    uvicorn's sans-I/O websockets protocol reads the cap per frame, so the handshake runs
+    under a few KiB and an authenticated link under a frame's maximum. False when the server
+    is not that protocol (the cap then stays uvicorn's ``ws_max_size``).
+    """
+    protocol = getattr(getattr(ws, "_receive", None), "__self__", None)
+    conn = getattr(protocol, "conn", None)
+    if conn is None or not hasattr(conn, "max_message_size"):
+        return False
+    conn.max_message_size = size
+    return True
 
 
 async def handshake(
-    ws: WebSocket, token: str, metrics: Metrics, heartbeat_interval: float
+    ws: WebSocket,
+    join_secret: str,
+    metrics: Metrics,
+    tickets: Tickets,
+    heartbeat_interval: float,
+    heartbeat_timeout: float,
 ) -> Link | None:
-    """Challenge the agent to prove it holds the token; None (link closed) when it does not."""
+    """Challenge the agent to prove it holds the join secret; None (link closed) if not.
+
+    Whatever goes wrong before the proof (garbage, a peer that hangs up, a slow one) is
+    counted and logged in one line; the listener goes on serving.
+    """
     anonce = wire.new_nonce()
-    await ws.send_bytes(wire.encode_plain(Kind.CHALLENGE, {"nonce": anonce}))
     try:
-        data = await asyncio.wait_for(ws.receive_bytes(), HANDSHAKE_TIMEOUT_S)
+        await ws.send_bytes(wire.encode_plain(Kind.CHALLENGE, {"nonce": anonce}))
+        message = await asyncio.wait_for(ws.receive(), HANDSHAKE_TIMEOUT_S)
+        data = message.get("bytes")
+        if message["type"] != "websocket.receive" or data is None:
+            raise FrameRefused("malformed", "the peer sent no binary AUTH frame")
+        if len(data) > PRE_AUTH_MAX_BYTES:
+            raise FrameRefused("malformed", f"{len(data)} bytes before authentication")
         body = wire.decode_plain(data, Kind.AUTH)
         worker_id, cnonce, proof = str(body["worker_id"]), str(body["nonce"]), str(body["proof"])
-    except (TimeoutError, FrameRefused, KeyError, WebSocketDisconnect, RuntimeError) as exc:
+    except (
+        TimeoutError,
+        FrameRefused,
+        KeyError,
+        WebSocketDisconnect,
+        RuntimeError,
+        OSError,
+    ) as exc:
         metrics.frames_refused.labels("auth").inc()
-        log.warning("refused a control link: bad handshake (%s)", exc)
+        log.warning("refused a control link: bad handshake (%s: %s)", type(exc).__name__, exc)
         await _close(ws, CLOSE_AUTH_FAILED)
         return None
-    if not wire.proofs_match(proof, wire.auth_proof(token, cnonce, anonce, worker_id)):
+    if not wire.proofs_match(proof, wire.auth_proof(join_secret, cnonce, anonce, worker_id)):
         metrics.frames_refused.labels("auth").inc()
-        log.warning("refused a control link from %r: wrong token", worker_id)
+        log.warning("refused a control link from %r: wrong join secret", worker_id[:64])
         await _close(ws, CLOSE_AUTH_FAILED)
         return None
-    key = wire.session_key(token, cnonce, anonce)
+    key = wire.session_key(join_secret, cnonce, anonce)
     codec = wire.LinkCodec(key, send=wire.TO_AGENT, receive=wire.TO_CONTROLLER)
-    link = Link(ws, worker_id, codec, ticket=secrets.token_urlsafe(32))
-    await link.send(
+    link = Link(ws, worker_id, codec, ticket=tickets.issue(worker_id))
+    welcomed = await link.send(
         Kind.WELCOME,
         {
-            "proof": wire.server_proof(token, cnonce, anonce),
+            "proof": wire.server_proof(join_secret, cnonce, anonce),
             "ticket": link.ticket,
             "heartbeat_interval": heartbeat_interval,
+            "heartbeat_timeout": heartbeat_timeout,
         },
     )
+    if not welcomed:
+        tickets.revoke(link.ticket)
+        return None
     return link
 
 
@@ -129,5 +186,8 @@ async def serve_frames(
 
 
 async def _close(ws: WebSocket, code: int) -> None:
-    with contextlib.suppress(RuntimeError, OSError):
-        await ws.close(code)
+    """Close, whatever state the socket is in (starlette raises WebSocketDisconnect, or
+    RuntimeError, on one the peer already dropped)."""
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(1.0):
+            await ws.close(code)

@@ -27,3 +27,9 @@ class Metrics:
             ["reason"],
             registry=self.registry,
         )
+        self.internal_errors = Counter(
+            "muster_internal_errors",
+            "Unexpected errors a long-running loop caught, logged and survived, by loop",
+            ["loop"],
+            registry=self.registry,
+        )

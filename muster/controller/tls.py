@@ -33,7 +33,7 @@ def make_self_signed(hosts: list[str]) -> tuple[str, str]:
             alt.append(x509.IPAddress(ipaddress.ip_address(host)))
         except ValueError:
             alt.append(x509.DNSName(host))
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     cert = (
         x509.CertificateBuilder()
         .subject_name(name)

@@ -35,7 +35,7 @@ class GangAddressing:
 
     path: PathClass
     addresses: tuple[str, ...]  # indexed by node rank
-    interfaces: tuple[str, ...]  # the interface each node's ranks bind to
+    interfaces: tuple[str | None, ...]  # the interface each node's ranks bind to, if known
     master_port: int
 
     @property
@@ -112,11 +112,13 @@ def launch_env(
             "MASTER_ADDR": gang.master_addr,
             "MASTER_PORT": str(gang.master_port),
             "PET_RDZV_ENDPOINT": master,
-            "NCCL_SOCKET_IFNAME": interface,
-            "GLOO_SOCKET_IFNAME": interface,
             "NCCL_SOCKET_FAMILY": "AF_INET6" if ":" in gang.master_addr else "AF_INET",
         }
     )
+    # The path fixes the interface when it knows it (`muster agent --interface`, or the one
+    # holding the address); otherwise the machine's own setting, or torch's choice, stands.
+    if interface:
+        env["NCCL_SOCKET_IFNAME"] = env["GLOO_SOCKET_IFNAME"] = interface
     if gang.path is PathClass.PRIVATE:
         env.pop("NCCL_NET", None)
         env.pop("NCCL_IB_DISABLE", None)

@@ -91,6 +91,7 @@ class Unplaceable:
 
     reason: str
     ruled_out: tuple[tuple[str, int], ...] = ()
+    needs_path: PathClass | None = None  # enough workers, but only on a path not set up
 
 
 def kind_problem(kind: WorkerKind, need: Need) -> str | None:
@@ -239,22 +240,39 @@ def _available(
     return total
 
 
+ALL_PATHS = frozenset(PathClass)
+
+
 def place_gang(
     spec: JobSpec,
     snapshot: PoolIndex | Sequence[WorkerView | WorkerInventory],
     *,
     exclude: frozenset[WorkerKind] = frozenset(),
+    paths: frozenset[PathClass] = ALL_PATHS,
 ) -> Placement | Unplaceable:
     """Choose the job's whole gang from the snapshot's idle workers, or say why none fits.
 
-    ``exclude`` holds worker kinds that jobs earlier in the queue are waiting for.
+    ``exclude`` holds worker kinds that jobs earlier in the queue are waiting for;
+    ``paths`` the path classes the controller can set up now. A gang that could only be
+    formed on another path stays unplaced, and the reason names the path it would need.
     """
     pool = snapshot if isinstance(snapshot, PoolIndex) else PoolIndex(snapshot)
     need = Need.of(spec)
     index = GroupCache.of(pool).index(need)
+    blocked: _Group | None = None
     for group in index.groups:  # already in preference order
         if _available(group, pool, exclude, need.workers) >= need.workers:
-            return Placement(group.path, _pick(group, pool, need, exclude))
+            if group.path in paths:
+                return Placement(group.path, _pick(group, pool, need, exclude))
+            blocked = blocked or group
+    if blocked is not None:
+        can = ", ".join(sorted(p.value for p in paths)) or "none"
+        return Unplaceable(
+            f"{need.describe()}; enough idle workers ({blocked.label}) could form the gang "
+            f"only on the {blocked.path.value} path, which this controller cannot set up "
+            f"yet (it sets up: {can}); the job waits for workers that share a private network",
+            needs_path=blocked.path,
+        )
     return Unplaceable(*_explain(need, pool, index, exclude))
 
 

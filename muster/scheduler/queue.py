@@ -21,9 +21,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from muster.scheduler.place import GroupCache, Need, Placement, Unplaceable, place_gang
+from muster.scheduler.place import (
+    ALL_PATHS,
+    GroupCache,
+    Need,
+    Placement,
+    Unplaceable,
+    place_gang,
+)
 from muster.scheduler.pool import PoolIndex, WorkerKind
 from muster.spec.job import JobSpec
+from muster.spec.network import PathClass
 
 
 @dataclass(frozen=True)
@@ -44,18 +52,21 @@ def queue_order(jobs: Sequence[QueuedJob]) -> list[QueuedJob]:
     return sorted(jobs, key=lambda j: (-j.spec.priority, j.seq))
 
 
-def schedule(jobs: Sequence[QueuedJob], pool: PoolIndex) -> list[Decision]:
-    """One scheduler pass over the waiting jobs; see the module docstring for the rule."""
+def schedule(
+    jobs: Sequence[QueuedJob], pool: PoolIndex, paths: frozenset[PathClass] = ALL_PATHS
+) -> list[Decision]:
+    """One scheduler pass over the waiting jobs; see the module docstring for the rule.
+    ``paths``: the path classes the controller can set up (see place_gang)."""
     cache = GroupCache.of(pool)
     held: frozenset[WorkerKind] = frozenset()
     waiting_for: list[str] = []
     decisions: list[Decision] = []
     for job in queue_order(jobs):
-        outcome = place_gang(job.spec, pool, exclude=held)
+        outcome = place_gang(job.spec, pool, exclude=held, paths=paths)
         if isinstance(outcome, Placement):
             pool.take(outcome.worker_ids)
         else:
-            if held and isinstance(place_gang(job.spec, pool), Placement):
+            if held and isinstance(place_gang(job.spec, pool, paths=paths), Placement):
                 outcome = Unplaceable(
                     f"waiting behind {', '.join(waiting_for)} (queue order): the idle workers "
                     "that fit are held for the job(s) ahead",
@@ -63,7 +74,8 @@ def schedule(jobs: Sequence[QueuedJob], pool: PoolIndex) -> list[Decision]:
                 )
             eligible = cache.index(Need.of(job.spec)).eligible
             capacity = sum(pool.slots[k].idle + pool.slots[k].in_use for k in eligible)
-            if capacity >= job.spec.gang.num_workers:
+            # A job that waits for a path the controller cannot set up holds nothing back.
+            if capacity >= job.spec.gang.num_workers and outcome.needs_path is None:
                 held = held | frozenset(eligible)
                 waiting_for.append(job.id)
         decisions.append(Decision(job.id, outcome))

@@ -97,7 +97,7 @@ WORKER_TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
     _W.IDLE: frozenset({_W.RESERVED, _W.OFFLINE}),
     _W.RESERVED: frozenset({_W.BUSY, _W.IDLE, _W.OFFLINE}),
     _W.BUSY: frozenset({_W.IDLE, _W.OFFLINE}),
-    _W.OFFLINE: frozenset({_W.IDLE}),
+    _W.OFFLINE: frozenset({_W.IDLE, _W.BUSY}),  # busy: back with a leftover member
 }
 
 

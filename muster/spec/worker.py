@@ -29,8 +29,12 @@ class NetworkCaps(_Model):
         default=None, description="id of the provider private network it sits on, if any"
     )
     private_address: str | None = Field(default=None, description="its address on that network")
-    private_interface: str = "eth0"
-    primary_interface: str = "eth0"
+    private_interface: str | None = Field(
+        default=None, description="interface holding private_address; None: torch picks one"
+    )
+    primary_interface: str | None = Field(
+        default=None, description="interface of the advertise address; None: torch picks one"
+    )
     can_create_device: bool = Field(
         default=False, description="may create a WireGuard device (direct path)"
     )

@@ -5,11 +5,13 @@ from muster.store.engine import (
     current_revision,
     data_dir,
     default_url,
+    ensure_data_dir,
     head_revision,
     make_engine,
     migrate,
     open_database,
 )
+from muster.store.records import LogAppendResult, LogLinesRejected, RejectedLine
 from muster.store.repo import LogLineIn, Store, utcnow
 
 
@@ -20,11 +22,15 @@ def open_store(url: str | None = None) -> Store:
 
 __all__ = [
     "Database",
+    "LogAppendResult",
     "LogLineIn",
+    "LogLinesRejected",
+    "RejectedLine",
     "Store",
     "current_revision",
     "data_dir",
     "default_url",
+    "ensure_data_dir",
     "head_revision",
     "make_engine",
     "migrate",

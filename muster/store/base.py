@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
 from sqlalchemy import select
@@ -17,18 +17,19 @@ from muster.store.models import (
 
 
 def utcnow() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 class LogLineIn(NamedTuple):
-    """One captured line as an agent sends it (a plain 6-sequence in this order will do)."""
+    """One captured line as an agent sends it (a plain 6- or 7-sequence in this order will do)."""
 
     origin: str  # "rank" (a global rank's stdout/stderr) or "node" (torchrun's own lines)
     rank: int  # the global rank, or the node rank for origin "node"
     seq: int  # per (origin, rank), increasing
     time: float  # seconds since the epoch, as time.time() gives
     stream: str  # stdout | stderr
-    text: str
+    text: str  # the line; for bytes that are not UTF-8, a display form (see raw_b64)
+    raw_b64: str | None = None  # base64 of the exact bytes when they are not UTF-8
 
 
 class Repository:

@@ -2,6 +2,12 @@
 
 Every open runs the alembic migrations up to head, so a new file or an empty PostgreSQL
 database is ready at once and an older one is upgraded in place.
+
+Two kinds of transaction: ``Database.transaction()`` for work that writes (on SQLite it
+takes the write lock up front, BEGIN IMMEDIATE) and ``Database.read()`` for work that only
+reads (a deferred BEGIN on SQLite, so in WAL mode it never waits for a writer; READ ONLY on
+PostgreSQL). A directory or SQLite file muster creates is private to the user (0700, 0600;
+SQLite gives the -wal and -shm files the database file's mode).
 """
 
 from __future__ import annotations
@@ -26,12 +32,36 @@ from muster.errors import StoreUnavailable, UserError
 
 MIGRATIONS = Path(__file__).parent / "migrations"
 SQLITE_BUSY_TIMEOUT_MS = 10_000  # the longest any write waits for another writer
+READ_ONLY_OPTION = "muster_read_only"  # execution option: begin a read-only transaction
 
 
 def data_dir() -> Path:
     """Where muster keeps its database and artifacts (MUSTER_DATA_DIR overrides)."""
     override = os.environ.get("MUSTER_DATA_DIR")
     return Path(override) if override else Path(platformdirs.user_data_dir("muster"))
+
+
+def ensure_data_dir() -> Path:
+    """``data_dir()``, created private to the user (0700) when it does not exist yet."""
+    return make_private_dir(data_dir())
+
+
+def make_private_dir(path: Path) -> Path:
+    """Create ``path`` (and missing parents) as 0700; an existing directory is left as it is."""
+    if not path.is_dir():
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path.chmod(0o700)  # mkdir's mode is cut by the umask; 0700 is what we mean
+    return path
+
+
+def _create_private_file(path: Path) -> None:
+    """Create an empty ``path`` as 0600 unless it exists (an empty file is an empty database)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return
+    os.fchmod(fd, 0o600)
+    os.close(fd)
 
 
 def default_url() -> str:
@@ -58,8 +88,9 @@ def make_engine(url: str | None = None, **kwargs: Any) -> Engine:
             "or postgresql://user:password@host/db"
         ) from exc
     if parsed.get_backend_name() == "sqlite":
-        if parsed.database and parsed.database != ":memory:":
-            Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+        if parsed.database and parsed.database != ":memory:" and "mode=memory" not in raw:
+            make_private_dir(Path(parsed.database).parent)
+            _create_private_file(Path(parsed.database))
         engine = create_engine(
             parsed, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000}, **kwargs
         )
@@ -92,7 +123,10 @@ def _sqlite_connect(dbapi_connection: Any, _record: Any) -> None:
 
 
 def _sqlite_begin(connection: Any) -> None:
-    connection.exec_driver_sql("BEGIN IMMEDIATE")
+    if connection.get_execution_options().get(READ_ONLY_OPTION):
+        connection.exec_driver_sql("BEGIN")  # deferred: a reader in WAL mode takes no lock
+    else:
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
 
 
 def alembic_config() -> Config:
@@ -130,6 +164,12 @@ class Database:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._sessions = sessionmaker(engine, expire_on_commit=False)
+        options: dict[str, Any] = {READ_ONLY_OPTION: True}
+        if engine.dialect.name == "postgresql":
+            options["postgresql_readonly"] = True
+        self._read_sessions = sessionmaker(
+            engine.execution_options(**options), expire_on_commit=False
+        )
 
     @property
     def dialect(self) -> str:
@@ -137,8 +177,19 @@ class Database:
 
     @contextmanager
     def transaction(self) -> Iterator[Session]:
-        """One transaction: committed on success, rolled back on any error."""
-        session = self._sessions()
+        """One transaction that may write: committed on success, rolled back on any error."""
+        with self._begin(self._sessions) as session:
+            yield session
+
+    @contextmanager
+    def read(self) -> Iterator[Session]:
+        """One transaction that only reads; it does not wait for writers (see the top)."""
+        with self._begin(self._read_sessions) as session:
+            yield session
+
+    @contextmanager
+    def _begin(self, sessions: sessionmaker[Session]) -> Iterator[Session]:
+        session = sessions()
         try:
             with session.begin():
                 yield session

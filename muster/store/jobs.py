@@ -3,18 +3,22 @@
 The rule that matters most: ``reserve_placement`` takes a gang's workers in one
 transaction and only if every one of them is still idle, so two scheduler passes racing
 never give one worker to two gangs.
+
+A job's id is its name plus 40 random bits (``new_job_id``); ``submit_job`` draws again
+when an id is taken, so a duplicate never reaches the user.
 """
 
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from sqlalchemy import func, select, update
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from muster.errors import BadRequest, PlacementConflict
+from muster.errors import BadRequest, PlacementConflict, StoreUnavailable
 from muster.spec.job import JobSpec
 from muster.spec.loader import parse_job
 from muster.spec.states import (
@@ -32,6 +36,14 @@ from muster.store.models import (
     Worker,
 )
 
+JOB_ID_ATTEMPTS = 16  # ids drawn before giving up; at 40 bits a second draw is already rare
+WHY_PENDING_CHUNK = 500  # job ids per IN (...) when reading why_pending
+
+
+def new_job_id(name: str) -> str:
+    """A fresh id for a job called ``name``: ``name-`` and 10 hex digits (<= 74 characters)."""
+    return f"{name}-{secrets.token_hex(5)}"
+
 
 class JobRepository(Repository):
     # ---- jobs ----------------------------------------------------------------------------
@@ -42,28 +54,39 @@ class JobRepository(Repository):
         """Validate and queue a job. An invalid spec raises SpecError and stores nothing."""
         checked = parse_job(spec)
         now = utcnow()
-        with self.db.transaction() as s:
-            job = Job(
-                id=f"{checked.name}-{secrets.token_hex(3)}",
-                name=checked.name,
-                spec=checked.model_dump(mode="json"),
-                state=JobState.QUEUED.value,
-                priority=checked.priority,
-                bundle_sha256=bundle_sha256,
-                submitted_at=now,
-            )
-            s.add(job)
-            s.flush()
-            add_event(s, "Submitted", f"job {job.id} queued", job=job.id)
-            return job
+        for _ in range(JOB_ID_ATTEMPTS):
+            job_id = new_job_id(checked.name)
+            try:
+                with self.db.transaction() as s:
+                    if s.scalar(select(Job.seq).where(Job.id == job_id)) is not None:
+                        continue  # taken: draw again
+                    job = Job(
+                        id=job_id,
+                        name=checked.name,
+                        spec=checked.model_dump(mode="json"),
+                        state=JobState.QUEUED.value,
+                        priority=checked.priority,
+                        bundle_sha256=bundle_sha256,
+                        submitted_at=now,
+                    )
+                    s.add(job)
+                    s.flush()
+                    add_event(s, "Submitted", f"job {job.id} queued", job=job.id)
+                    return job
+            except IntegrityError:
+                continue  # another submission took the id between our check and insert
+        raise StoreUnavailable(
+            f"could not find a free job id for {checked.name!r} in {JOB_ID_ATTEMPTS} draws; "
+            "the job was not stored, submit it again"
+        )
 
     def job(self, job_id: str) -> Job:
-        with self.db.transaction() as s:
+        with self.db.read() as s:
             return load_job(s, job_id)
 
     def jobs(self, states: Iterable[JobState] | None = None) -> list[Job]:
         """Jobs in submission order, optionally only those in ``states``."""
-        with self.db.transaction() as s:
+        with self.db.read() as s:
             query = select(Job).order_by(Job.seq)
             if states is not None:
                 query = query.where(Job.state.in_([st.value for st in states]))
@@ -71,7 +94,7 @@ class JobRepository(Repository):
 
     def job_counts(self) -> dict[str, int]:
         """How many jobs are in each state."""
-        with self.db.transaction() as s:
+        with self.db.read() as s:
             rows = s.execute(select(Job.state, func.count()).group_by(Job.state)).all()
             return {str(state): int(n) for state, n in rows}
 
@@ -89,8 +112,10 @@ class JobRepository(Repository):
                 job.started_at = now
             if new.is_terminal:
                 job.finished_at = now
-                # Members that never started have nothing to stop: their workers go back
-                # now. A started member frees its worker when it reports its exit.
+                # Members that never started are cancelled. A pending one was never told
+                # to run anything: its worker goes back now. An assigned one may be
+                # starting torchrun this very moment: its worker stays held until its
+                # agent answers the STOP (release_worker), like a started member's.
                 unstarted = s.scalars(
                     select(Member).where(
                         Member.job_id == job_id,
@@ -98,8 +123,9 @@ class JobRepository(Repository):
                     )
                 ).all()
                 for member in unstarted:
+                    if member.state == MemberState.PENDING.value:
+                        _release(s, member.worker_id, job_id)
                     member.state, member.finished_at = MemberState.CANCELLED.value, now
-                    _release(s, member.worker_id, job_id)
             if new is JobState.FAILED and message:
                 job.root_cause = message
             add_event(
@@ -114,6 +140,37 @@ class JobRepository(Repository):
                 job.why_pending = reason
                 if reason:
                     add_event(s, "Unplaceable", reason, job=job_id)
+
+    def set_why_pending_many(self, reasons: Mapping[str, str | None]) -> int:
+        """Set many jobs' why_pending at once; returns how many changed.
+
+        Reads the current values first (no write lock) and, only when some differ, writes
+        those in one transaction, with an "Unplaceable" event for each new reason, as
+        ``set_why_pending`` does. Ids of jobs that do not exist are skipped.
+        """
+        if not _why_pending_changes(self._why_pending(reasons), reasons):
+            return 0
+        with self.db.transaction() as s:
+            changes = _why_pending_changes(_read_why_pending(s, reasons), reasons)
+            by_reason: dict[str | None, list[str]] = {}
+            for job_id, reason in changes.items():
+                by_reason.setdefault(reason, []).append(job_id)
+            for reason, job_ids in by_reason.items():
+                for chunk in _chunks(job_ids, WHY_PENDING_CHUNK):
+                    s.execute(
+                        update(Job)
+                        .where(Job.id.in_(chunk))
+                        .values(why_pending=reason)
+                        .execution_options(synchronize_session=False)
+                    )
+            for job_id, reason in changes.items():
+                if reason:
+                    add_event(s, "Unplaceable", reason, job=job_id)
+            return len(changes)
+
+    def _why_pending(self, job_ids: Iterable[str]) -> dict[str, str | None]:
+        with self.db.read() as s:
+            return _read_why_pending(s, job_ids)
 
     # ---- placement -----------------------------------------------------------------------
 
@@ -182,7 +239,7 @@ class JobRepository(Repository):
 
     def members(self, job_id: str, epoch_number: int | None = None) -> list[Member]:
         """The members of the job's latest (or given) epoch, by node rank."""
-        with self.db.transaction() as s:
+        with self.db.read() as s:
             query = select(GangEpoch).where(GangEpoch.job_id == job_id)
             if epoch_number is not None:
                 query = query.where(GangEpoch.number == epoch_number)
@@ -239,6 +296,10 @@ class JobRepository(Repository):
             ).one()
             current = MemberState(member.state)
             if current.is_terminal:
+                if state.is_terminal:
+                    # The agent's own exit report for a member already ended (cancelled
+                    # while being assigned): now its processes are gone, free the worker.
+                    _release(s, member.worker_id, job_id)
                 return member
             check_member_transition(current, state)
             member.state = state.value
@@ -261,6 +322,32 @@ class JobRepository(Repository):
                 member.finished_at = now
                 _release(s, member.worker_id, job_id)
             return member
+
+    def release_worker(self, worker_id: str, job_id: str) -> None:
+        """The agent reported that nothing of ``job_id`` runs on the worker any more."""
+        with self.db.transaction() as s:
+            _release(s, worker_id, job_id)
+
+
+def _read_why_pending(s: Session, job_ids: Iterable[str]) -> dict[str, str | None]:
+    """The current why_pending of each of ``job_ids`` that exists."""
+    current: dict[str, str | None] = {}
+    for chunk in _chunks(list(job_ids), WHY_PENDING_CHUNK):
+        rows = s.execute(select(Job.id, Job.why_pending).where(Job.id.in_(chunk)))
+        current.update((job_id, why) for job_id, why in rows)
+    return current
+
+
+def _why_pending_changes(
+    current: Mapping[str, str | None], wanted: Mapping[str, str | None]
+) -> dict[str, str | None]:
+    """The jobs (of those that exist) whose why_pending would change, with the new value."""
+    return {job_id: wanted[job_id] for job_id, now in current.items() if now != wanted[job_id]}
+
+
+def _chunks(items: Sequence[str], size: int) -> Iterator[Sequence[str]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
 
 
 def _release(s: Session, worker_id: str, job_id: str) -> None:

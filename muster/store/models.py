@@ -6,22 +6,23 @@ the pydantic models, so an old row can always be read back by the model that wro
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+import base64
+from datetime import UTC, datetime
 from typing import Any, ClassVar
 
 from sqlalchemy import (
     JSON,
     BigInteger,
-    Boolean,
     DateTime,
-    Float,
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Text,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -88,7 +89,6 @@ class GangEpoch(Base):
     master_addr: Mapped[str | None] = mapped_column(String(255))
     master_port: Mapped[int | None] = mapped_column(Integer)
     created_at: Mapped[datetime]
-    fenced_at: Mapped[datetime | None]
 
 
 class Member(Base):
@@ -146,11 +146,25 @@ class LogLine(Base):
 
     (job, origin, rank, seq) is the key, so a resent batch never duplicates a line. The time
     is microseconds since the epoch (UTC): this is the table that grows fastest.
+
+    Lossless text: column ``text`` holds the line as clean UTF-8 text. A line that is not
+    (it holds NUL, which PostgreSQL text refuses, or bytes that are not UTF-8) also keeps its
+    exact bytes in ``raw``; ``text`` then holds a display form (U+FFFD for each NUL or bad
+    byte). Read ``text`` (the line, NUL included; U+FFFD only for bytes that are not UTF-8),
+    ``data`` (the exact bytes) or ``raw_b64`` (base64 of the bytes when ``text`` cannot give
+    them back, else None).
+
+    ``ingest_id`` numbers a job's lines in the order they were stored (1, 2, ...; gaps
+    allowed); a reader that remembers the last one it saw misses and repeats nothing, since
+    a job's lines are stored one transaction at a time (see records.py).
     """
 
     __tablename__ = "log_lines"
     # One B-tree in key order on SQLite instead of a rowid table plus a key index.
-    __table_args__ = {"sqlite_with_rowid": False}  # noqa: RUF012 (SQLAlchemy reads it)
+    __table_args__ = (
+        Index("ix_log_lines_job_ingest", "job_id", "ingest_id"),
+        {"sqlite_with_rowid": False},
+    )
 
     job_id: Mapped[str] = mapped_column(String(80), primary_key=True)
     origin: Mapped[str] = mapped_column(String(8), primary_key=True)
@@ -158,11 +172,36 @@ class LogLine(Base):
     seq: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     time_us: Mapped[int] = mapped_column(BigInteger)
     stream: Mapped[str] = mapped_column(String(8))
-    text: Mapped[str] = mapped_column(Text)
+    stored_text: Mapped[str] = mapped_column("text", Text)
+    raw: Mapped[bytes | None] = mapped_column(LargeBinary)
+    ingest_id: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
 
     @property
     def time(self) -> datetime:
-        return datetime.fromtimestamp(self.time_us / 1e6, tz=timezone.utc)
+        return datetime.fromtimestamp(self.time_us / 1e6, tz=UTC)
+
+    @property
+    def text(self) -> str:
+        """The line as text: exact unless its bytes are not UTF-8 (then U+FFFD for those)."""
+        if self.raw is None:
+            return self.stored_text
+        return self.raw.decode("utf-8", errors="replace")
+
+    @property
+    def data(self) -> bytes:
+        """The line's exact bytes, as the rank wrote them (without the newline)."""
+        return self.stored_text.encode() if self.raw is None else self.raw
+
+    @property
+    def raw_b64(self) -> str | None:
+        """Base64 of the exact bytes when ``text`` cannot give them back, else None."""
+        if self.raw is None:
+            return None
+        try:
+            self.raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return base64.b64encode(self.raw).decode("ascii")
+        return None
 
 
 class Artifact(Base):
@@ -174,23 +213,6 @@ class Artifact(Base):
     size: Mapped[int] = mapped_column(BigInteger)
     sha256: Mapped[str] = mapped_column(String(64))
     stored_at: Mapped[datetime]
-
-
-class ProbeResult(Base):
-    """One measured pair of a gang epoch's probe (seed 000)."""
-
-    __tablename__ = "probe_results"
-
-    id: Mapped[int] = mapped_column(AutoId, primary_key=True, autoincrement=True)
-    epoch_id: Mapped[int] = mapped_column(ForeignKey("gang_epochs.id"), index=True)
-    src_node: Mapped[int] = mapped_column(Integer)
-    dst_node: Mapped[int] = mapped_column(Integer)
-    ok: Mapped[bool] = mapped_column(Boolean)
-    rtt_ms: Mapped[float | None] = mapped_column(Float)
-    tcp_gbps: Mapped[float | None] = mapped_column(Float)
-    path: Mapped[str] = mapped_column(String(64))
-    error: Mapped[str | None] = mapped_column(Text)
-    measured_at: Mapped[datetime]
 
 
 class Setting(Base):

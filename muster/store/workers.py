@@ -18,8 +18,14 @@ from muster.store.models import (
 class WorkerRepository(Repository):
     # ---- workers -------------------------------------------------------------------------
 
-    def upsert_worker(self, inv: WorkerInventory, now: datetime | None = None) -> Worker:
-        """Record an agent's inventory; a new or returning worker becomes idle."""
+    def upsert_worker(
+        self, inv: WorkerInventory, now: datetime | None = None, *, draining: bool = False
+    ) -> Worker:
+        """Record an agent's inventory; a new or returning worker becomes idle.
+
+        ``draining``: the agent still runs a member of a job that is over. The worker is
+        busy (with no job) until an inventory without it says every process is gone.
+        """
         now = now or utcnow()
         with self.db.transaction() as s:
             row = s.get(Worker, inv.id)
@@ -42,8 +48,13 @@ class WorkerRepository(Repository):
                 row.hostname, row.advertise_address = inv.hostname, inv.advertise_address
                 row.inventory, row.last_seen = data, now
                 if row.state == WorkerState.OFFLINE.value:
-                    row.state = WorkerState.IDLE.value
                     add_event(s, "WorkerReturned", f"worker {inv.id} is back", worker=inv.id)
+                if row.state == WorkerState.OFFLINE.value or (
+                    row.state == WorkerState.BUSY.value and row.job_id is None
+                ):
+                    row.state = WorkerState.IDLE.value
+            if draining and row.state == WorkerState.IDLE.value:
+                row.state, row.job_id = WorkerState.BUSY.value, None
             return row
 
     def mark_all_offline(self) -> None:
@@ -62,7 +73,7 @@ class WorkerRepository(Repository):
 
     def workers(self) -> list[WorkerView]:
         """The scheduler's snapshot: every worker's inventory and state."""
-        with self.db.transaction() as s:
+        with self.db.read() as s:
             rows = s.scalars(select(Worker).order_by(Worker.id)).all()
             return [
                 WorkerView(
@@ -73,12 +84,5 @@ class WorkerRepository(Repository):
             ]
 
     def worker_rows(self) -> list[Worker]:
-        with self.db.transaction() as s:
+        with self.db.read() as s:
             return list(s.scalars(select(Worker).order_by(Worker.id)))
-
-    def worker(self, worker_id: str) -> Worker:
-        with self.db.transaction() as s:
-            row = s.get(Worker, worker_id)
-            if row is None:
-                raise NotFound(f"worker {worker_id!r} does not exist; see `muster get workers`")
-            return row

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import base64
 from pathlib import Path
 
+import orjson
+
 from muster.agent.agent import BATCH_LINES, _Shipper
-from muster.agent.capture import Line, RankTailer, root_cause
+from muster.agent.capture import MAX_LINE, Line, RankTailer, root_cause
 
 
 def test_shipper_sends_every_line_once_in_order_whatever_the_backlog() -> None:
@@ -75,3 +78,44 @@ def test_root_cause_is_read_from_torchruns_summary() -> None:
     )
     assert root_cause(killed.splitlines()) == (3, -9, "SIGKILL")
     assert root_cause(["no summary here"]) == (None, None, None)
+
+
+def test_tailer_keeps_every_byte_and_the_lines_stay_json(tmp_path: Path) -> None:
+    """NUL and bytes that are not UTF-8 survive capture exactly; orjson still takes the lines."""
+    out = tmp_path / "run" / "attempt_0" / "0" / "stdout.log"
+    out.parent.mkdir(parents=True)
+    lines: list[Line] = []
+    tailer = RankTailer(tmp_path, first_rank=0, procs=1, emit=lines.extend)
+    written = [b"a\x00b", b"caf\xe9 \xff\xfe", "plain é".encode(), b"\r", b""]
+    out.write_bytes(b"\n".join(written) + b"\n")
+    tailer.poll()
+    wire = orjson.loads(orjson.dumps(lines))
+    assert [ln[5] for ln in wire] == ["a\x00b", "caf\ufffd \ufffd\ufffd", "plain é", "", ""]
+    assert [_bytes(ln) for ln in wire] == [
+        b"a\x00b",
+        b"caf\xe9 \xff\xfe",
+        "plain é".encode(),
+        b"",
+        b"",
+    ]
+    assert [len(ln) for ln in wire] == [6, 7, 6, 6, 6], "only a line that is not UTF-8 has raw"
+
+
+def test_long_lines_are_cut_between_characters(tmp_path: Path) -> None:
+    out = tmp_path / "run" / "attempt_0" / "0" / "stderr.log"
+    out.parent.mkdir(parents=True)
+    lines: list[Line] = []
+    tailer = RankTailer(tmp_path, first_rank=0, procs=1, emit=lines.extend)
+    long = ("é" * MAX_LINE).encode()  # 2 bytes a character: a cut at MAX_LINE bytes would
+    out.write_bytes(b"x" + long + b"\n")  # fall inside one, after the leading "x"
+    tailer.poll()
+    assert all(len(ln) == 6 for ln in lines), "every piece is whole UTF-8"
+    assert "".join(ln[5] for ln in lines).encode() == b"x" + long
+    assert all(len(ln[5].encode()) <= MAX_LINE for ln in lines)
+    assert [ln[2] for ln in lines] == list(range(1, len(lines) + 1))
+
+
+def _bytes(line: list[object]) -> bytes:
+    if len(line) == 7:
+        return base64.b64decode(str(line[6]))
+    return str(line[5]).encode()

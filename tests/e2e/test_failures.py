@@ -96,7 +96,7 @@ def metric(cluster: LocalCluster, name: str, reason: str) -> float:
 def test_hostile_frames_are_refused_and_counted(tmp_path: Path) -> None:
     with LocalCluster(agents=2) as cluster:
         url = cluster.url.replace("http", "ws") + "/v1/agents/link"
-        token, _pin = split_token(cluster.token())
+        token, _pin = split_token(cluster.join_token())
 
         # A wrong token: the link is closed, nothing is registered.
         with connect(url) as ws:
@@ -180,7 +180,7 @@ def test_controller_restart_keeps_history_and_persistent_agents_return(tmp_path:
 def test_tls_with_a_pinned_certificate(tmp_path: Path) -> None:
     with LocalCluster(agents=2, tls=True) as cluster:
         assert cluster.url.startswith("https://")
-        join = cluster.token()
+        join = cluster.join_token()
         secret, _, pin = join.partition(".")
         assert pin.startswith("sha256:")
         assert len(pin) == len("sha256:") + 64
@@ -194,6 +194,6 @@ def test_tls_with_a_pinned_certificate(tmp_path: Path) -> None:
 
         # An agent given another fingerprint refuses to talk to this controller.
         wrong = f"{secret}.sha256:{'0' * 64}"
-        agent = cluster.start_agent("agent-x", ["--token", wrong])
+        agent = cluster.start_agent("agent-x", join=wrong)
         assert agent.wait(timeout=60) == 1
         assert "refusing to talk to it" in cluster.log("agent-x").read_text()

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from muster.errors import PlatformError
-from muster.plan import Shim, gang_addressing, launch_env, mesh_address
+from muster.plan import GangAddressing, Shim, gang_addressing, launch_env, mesh_address
 from muster.spec import NetworkCaps, PathClass, WorkerInventory, parse_job
 
 MEMBERS = [
@@ -149,3 +149,24 @@ def test_mesh_addresses() -> None:
         "100.64.0.255",
         "100.64.1.0",
     ]
+
+
+def test_the_agents_interface_is_what_the_ranks_bind_and_secrets_never_reach_them() -> None:
+    """`muster agent --interface ens7` reaches NCCL and gloo; with no interface known
+    (a NAT's address) nothing is invented (the literal eth0 fallback is gone)."""
+    spec = parse_job({"name": "j", "entrypoint": "t.py", "distributed": {"num_workers": 2}})
+    node_env = {
+        "MUSTER_TOKEN": "join-secret",
+        "MUSTER_API_TOKEN": "api-secret",
+        "PATH": "/usr/bin",
+    }
+    known = GangAddressing(PathClass.PRIVATE, ("10.0.0.1", "10.0.0.2"), ("ens7", "ens7"), 29500)
+    env = launch_env(spec, 1, known, node_env=node_env)
+    assert env["NCCL_SOCKET_IFNAME"] == env["GLOO_SOCKET_IFNAME"] == "ens7"
+    assert "join-secret" not in env.values()
+    assert "api-secret" not in env.values()
+    assert env["PATH"] == "/usr/bin"
+    unknown = GangAddressing(PathClass.PRIVATE, ("10.0.0.1", "10.0.0.2"), (None, None), 29500)
+    env = launch_env(spec, 1, unknown, node_env=node_env)
+    assert "NCCL_SOCKET_IFNAME" not in env
+    assert "GLOO_SOCKET_IFNAME" not in env

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from muster.scheduler import Placement, PoolIndex, QueuedJob, Unplaceable, schedule
-from muster.spec import parse_job
+from muster.spec import PathClass, parse_job
 from tests.scheduler.workers import busy, gang, idle, worker
 
 
@@ -85,3 +85,34 @@ def test_head_job_is_placed_when_its_workers_free_up() -> None:
     result = outcomes([head, small], PoolIndex(views))
     assert isinstance(result["big"], Placement)
     assert isinstance(result["small"], Unplaceable)
+
+
+def test_a_gang_only_a_path_not_set_up_can_carry_waits_and_says_so() -> None:
+    """transport auto, workers in two regions with no shared private network: only a
+    relayed (or direct) gang could form. With only the private path set up, the job stays
+    queued naming the path, and holds back no later job that fits on a private network."""
+    private_only = frozenset({PathClass.PRIVATE})
+    apart = [  # GPU workers in two regions, no shared private network, no WireGuard
+        worker("a", region="us-east-1", device=False, gpus=1, vendor="nvidia"),
+        worker("b", region="eu-west-1", device=False, gpus=1, vendor="nvidia"),
+    ]
+    together = [worker(f"p{i}", private="vpc-1") for i in range(2)]
+    far = {"network": "global", "transport": "auto", "backend": "nccl"}
+    jobs = [
+        queued("far", 1, gang(2, dist=far, resources={"gpus": 1})),
+        queued("near", 2, gang(2)),
+    ]
+    got = outcomes(jobs, PoolIndex(idle(*apart, *together)))
+    # With every path available the far job would take the relayed path...
+    assert isinstance(got["far"], Placement)
+    got = {
+        d.job_id: d.outcome
+        for d in schedule(jobs, PoolIndex(idle(*apart, *together)), private_only)
+    }
+    far, near = got["far"], got["near"]
+    assert isinstance(near, Placement)
+    assert near.path is PathClass.PRIVATE
+    assert isinstance(far, Unplaceable)
+    assert far.needs_path is not None
+    assert f"only on the {far.needs_path.value} path" in far.reason
+    assert "cannot set up yet" in far.reason

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import time
+
+from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import inspect, text
 
-from muster.store import current_revision, head_revision, make_engine, open_database
+from muster.store import current_revision, head_revision, make_engine, open_database, open_store
+from muster.store.engine import alembic_config
 from muster.store.models import Base
+from tests.scheduler.workers import gang
 
 
 def test_upgrade_empty_database(db_url: str) -> None:
@@ -24,8 +29,9 @@ def test_upgrade_empty_database(db_url: str) -> None:
             "conditions",
             "log_lines",
             "artifacts",
-            "probe_results",
+            "settings",
         } <= tables
+        assert "probe_results" not in tables, "0003 dropped the unused table"
         with db.engine.connect() as conn:
             diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
         assert diff == [], f"models and migrations disagree: {diff}"
@@ -46,3 +52,36 @@ def test_sqlite_runs_in_wal_mode(tmp_path: object) -> None:
         assert conn.execute(text("PRAGMA journal_mode")).scalar() == "wal"
         assert conn.execute(text("PRAGMA foreign_keys")).scalar() == 1
     engine.dispose()
+
+
+def test_upgrade_numbers_existing_log_lines_in_time_order(db_url: str) -> None:
+    """A database with lines from before 0003 is followed from the start like a new one."""
+    engine = make_engine(db_url)
+    config = alembic_config()
+    with engine.begin() as conn:
+        config.attributes["connection"] = conn
+        command.upgrade(config, "0002")
+    now = time.time()
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO log_lines (job_id, origin, rank, seq, time_us, stream, text) "
+                "VALUES (:j, :o, :r, :q, :t, 'stdout', :x)"
+            ),
+            [
+                {"j": "old-1", "o": "rank", "r": 1, "q": 1, "t": int(now * 1e6) + 2, "x": "c"},
+                {"j": "old-1", "o": "rank", "r": 0, "q": 1, "t": int(now * 1e6), "x": "a"},
+                {"j": "old-1", "o": "node", "r": 0, "q": 1, "t": int(now * 1e6) + 1, "x": "b"},
+            ],
+        )
+    engine.dispose()
+    store = open_store(db_url)
+    try:
+        assert current_revision(store.db.engine) == head_revision()
+        assert [ln.text for ln in store.logs_after("old-1", 0)] == ["a", "b", "c"]
+        job = store.submit_job(gang(1))
+        store.append_logs("old-1", [("rank", 0, 2, now, "stdout", "d")])
+        assert [ln.text for ln in store.logs_after("old-1", 3)] == ["d"], "new lines follow"
+        assert store.logs_after(job.id, 0) == []
+    finally:
+        store.db.dispose()

@@ -10,11 +10,13 @@ from collections.abc import Iterator
 import pytest
 from sqlalchemy import func, select
 
+import muster.store.jobs
 from muster.errors import IllegalTransition, NotFound, PlacementConflict, SpecError
 from muster.spec import JobState, MemberState, WorkerState
 from muster.store import LogLineIn, Store, open_store
 from muster.store.models import Job, Member, Worker
 from tests.scheduler.workers import gang, worker
+from tests.store.locks import held_write_lock
 
 
 @pytest.fixture
@@ -92,12 +94,20 @@ def test_workers_come_back_when_their_members_end(store: Store) -> None:
     store.set_job_state(job.id, JobState.FAILED, "node0 rank 1 exited with code 1")
     assert store.job(job.id).root_cause == "node0 rank 1 exited with code 1"
     states = {w.id: w.state for w in store.workers()}
-    # Unstarted members are cancelled at once; the running one keeps its worker until it ends.
-    assert states == {"w00": WorkerState.BUSY, "w01": WorkerState.IDLE, "w02": WorkerState.IDLE}
+    # Unstarted members are cancelled at once. A pending one (never told to run) frees its
+    # worker now; an assigned one may be spawning torchrun, so its worker is held until its
+    # agent reports the member gone, as the running one's is.
+    assert states == {
+        "w00": WorkerState.BUSY,
+        "w01": WorkerState.RESERVED,
+        "w02": WorkerState.IDLE,
+    }
     assert [m.state for m in store.members(job.id)] == ["running", "cancelled", "cancelled"]
     store.set_member_state(job.id, 0, MemberState.FAILED, exit_code=-15, signal="SIGTERM")
+    store.set_member_state(job.id, 1, MemberState.CANCELLED, exit_code=143, signal="SIGTERM")
     assert {w.state for w in store.workers()} == {WorkerState.IDLE}
     assert store.members(job.id)[0].signal == "SIGTERM"
+    assert store.members(job.id)[1].state == "cancelled"
 
 
 def test_settings_are_created_once(store: Store) -> None:
@@ -183,3 +193,57 @@ def test_artifacts_and_conditions(store: Store) -> None:
     store.set_condition(job.id, "GangReady", True, "AllJoined", "2 of 2 members")
     (cond,) = store.conditions(job.id)
     assert (cond.status, cond.reason) == ("True", "AllJoined")
+
+
+def test_job_ids_never_collide_even_when_the_generator_repeats(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    draws = iter(["train-aaaa", "train-aaaa", "train-aaaa", "train-bbbb"])
+    monkeypatch.setattr(muster.store.jobs, "new_job_id", lambda name: next(draws))
+    first = store.submit_job(gang(2))
+    second = store.submit_job(gang(2))
+    assert (first.id, second.id) == ("train-aaaa", "train-bbbb")
+    assert [j.id for j in store.jobs()] == ["train-aaaa", "train-bbbb"]
+    assert [e.message for e in store.events()] == [
+        "job train-aaaa queued",
+        "job train-bbbb queued",
+    ]
+
+
+def test_job_ids_of_the_longest_name_fit(store: Store) -> None:
+    spec = gang(2)
+    spec["name"] = "n" * 63
+    ids = {store.submit_job(spec).id for _ in range(3)}
+    assert len(ids) == 3
+    assert all(len(i) <= 80 and i.startswith("n" * 63 + "-") for i in ids)
+
+
+def test_set_why_pending_many_writes_only_changes(store: Store) -> None:
+    a, b, c = (store.submit_job(gang(2)).id for _ in range(3))
+    store.set_why_pending(a, "needs 2 workers, 0 idle")
+    changed = store.set_why_pending_many(
+        {a: "needs 2 workers, 0 idle", b: "needs 2 workers, 1 idle", c: None, "gone-1": "x"}
+    )
+    assert changed == 1, "a already had that reason, c had none, gone-1 does not exist"
+    assert [store.job(j).why_pending for j in (a, b, c)] == [
+        "needs 2 workers, 0 idle",
+        "needs 2 workers, 1 idle",
+        None,
+    ]
+    assert store.set_why_pending_many({a: None, b: "needs 2 workers, 1 idle"}) == 1
+    assert store.job(a).why_pending is None
+    unplaceable = [(e.job_id, e.message) for e in store.events() if e.kind == "Unplaceable"]
+    assert unplaceable == [(a, "needs 2 workers, 0 idle"), (b, "needs 2 workers, 1 idle")]
+    assert store.set_why_pending_many({}) == 0
+
+
+def test_set_why_pending_many_takes_no_write_lock_when_nothing_changes(
+    store: Store, db_url: str
+) -> None:
+    if store.db.dialect != "sqlite":
+        pytest.skip("the write lock is SQLite's")
+    jobs = {store.submit_job(gang(2)).id: None for _ in range(3)}
+    with held_write_lock(db_url):
+        t0 = time.monotonic()
+        assert store.set_why_pending_many(jobs) == 0
+        assert time.monotonic() - t0 < 2

@@ -1,0 +1,125 @@
+"""Who may call what: two credentials, checked by every route for itself.
+
+    credential      held by                  may call
+    --------------  -----------------------  ------------------------------------------------
+    API token       users (CLI, SDK)         submit, cancel, read jobs/logs/artifacts/workers,
+                                             upload bundles, /metrics
+    join secret     agents                   the control-link handshake only (it never goes
+                                             on the wire: the agent proves it holds it)
+    ticket          one agent's live link    that agent's own HTTP calls: download the bundle
+                                             of a job it is placed in, upload its member's
+                                             outputs; it dies with the link
+
+On loopback without TLS the user routes are open (one machine, one user: the demo);
+whenever TLS is on or the bind is off loopback they want the API token. The agent routes
+always want a live ticket. No credential, or one the controller does not know: 401. A known
+credential without the right to the call (a ticket on a user route, the API token on an
+agent route, the join secret anywhere): 403. Every comparison is constant-time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from muster.errors import Forbidden, Unauthorized
+from muster.store import Store
+
+API_HINT = "send Authorization: Bearer <API token> (`muster token --api` on the controller)"
+
+
+@dataclass(frozen=True)
+class Credentials:
+    api_token: str
+    join_secret: str
+
+
+def credentials(store: Store) -> Credentials:
+    """Both secrets: made at first start, kept in the database."""
+    return Credentials(
+        api_token=store.setting("api_token", lambda: secrets.token_urlsafe(32)),
+        join_secret=store.setting("join_token", lambda: secrets.token_urlsafe(32)),
+    )
+
+
+def same_secret(given: str, expected: str) -> bool:
+    return bool(given) and hmac.compare_digest(given.encode(), expected.encode())
+
+
+def ticket_digest(ticket: str) -> str:
+    """Tickets are looked up by their sha256, so the lookup's timing says nothing of them."""
+    return hashlib.sha256(ticket.encode()).hexdigest()
+
+
+class Tickets:
+    """The live links' tickets: digest -> worker id."""
+
+    def __init__(self) -> None:
+        self._workers: dict[str, str] = {}
+
+    def issue(self, worker_id: str) -> str:
+        ticket = secrets.token_urlsafe(32)
+        self._workers[ticket_digest(ticket)] = worker_id
+        return ticket
+
+    def revoke(self, ticket: str) -> None:
+        self._workers.pop(ticket_digest(ticket), None)
+
+    def worker(self, ticket: str) -> str | None:
+        return self._workers.get(ticket_digest(ticket)) if ticket else None
+
+
+@dataclass
+class Guard:
+    """The app's auth state: the credentials, the live tickets, whether users need a token."""
+
+    creds: Credentials
+    tickets: Tickets
+    users_need_token: bool
+
+    def _parse(self, request: Request) -> tuple[str, str]:
+        scheme, _, value = request.headers.get("authorization", "").partition(" ")
+        return scheme.strip().lower(), value.strip()
+
+    def user(self, request: Request) -> None:
+        """A user route: the API token (or nothing, on loopback without TLS)."""
+        scheme, value = self._parse(request)
+        if scheme == "bearer" and same_secret(value, self.creds.api_token):
+            return
+        if not self.users_need_token:
+            return
+        if scheme == "ticket" and self.tickets.worker(value) is not None:
+            raise Forbidden("an agent's ticket may only fetch its bundle and upload its outputs")
+        if scheme == "bearer" and same_secret(value, self.creds.join_secret):
+            raise Forbidden(f"the join secret is for agents' links only; {API_HINT}")
+        raise Unauthorized(API_HINT if not value else f"unknown credential; {API_HINT}")
+
+    def agent(self, request: Request) -> str:
+        """An agent route: a live link's ticket; returns the worker id it was issued to."""
+        scheme, value = self._parse(request)
+        if scheme == "ticket":
+            worker = self.tickets.worker(value)
+            if worker is not None:
+                return worker
+            raise Unauthorized("this ticket is not a live agent link's; the agent re-dials")
+        if scheme == "bearer" and (
+            same_secret(value, self.creds.api_token) or same_secret(value, self.creds.join_secret)
+        ):
+            raise Forbidden("this route is for agents, with the ticket of their live link")
+        raise Unauthorized("send Authorization: Ticket <ticket of the agent's live link>")
+
+
+def guard(request: Request) -> Guard:
+    return request.app.state.guard  # type: ignore[no-any-return]
+
+
+def require_user(request: Request) -> None:
+    guard(request).user(request)
+
+
+def require_agent(request: Request) -> str:
+    return guard(request).agent(request)

@@ -1,0 +1,127 @@
+"""Chaos with real processes: what a user notices when an agent hangs, an upload fails, or
+someone floods the link endpoint. (A log flood of 4 ranks x 50,000 lines: tests/e2e/
+test_jobs.py; an agent SIGKILLed mid-run: tests/e2e/test_failures.py.)"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from websockets.sync.client import connect
+
+from muster.cli.local import LocalCluster
+from tests.e2e.helpers import (
+    job_processes,
+    submit,
+    wait_no_processes,
+    wait_state,
+    write_job,
+)
+
+pytestmark = pytest.mark.timeout(600)
+
+SLEEPER = """
+import os, time
+print(f"rank {os.environ['RANK']} running", flush=True)
+time.sleep(600)
+"""
+
+
+def node_processes(cluster: LocalCluster, job_id: str, agent: str) -> list[str]:
+    return [
+        " ".join(p.cmdline())
+        for p in job_processes(cluster, job_id)
+        if f"/{agent}/" in (p.cwd() + "/")
+    ]
+
+
+def test_a_hung_agents_ranks_end_while_it_is_still_stopped(tmp_path: Path) -> None:
+    """SIGSTOP an agent mid-run: the job fails after the heartbeat timeout, and the member's
+    watchdog ends that agent's ranks although the agent itself cannot (it is stopped)."""
+    with LocalCluster(agents=2, heartbeat_timeout=4, heartbeat_interval=1) as cluster:
+        api = cluster.client()
+        job_id = submit(api, write_job(tmp_path / "j", "hung", SLEEPER))
+        wait_state(api, job_id, {"running"}, timeout=90)
+        # The watchdogs start a few seconds after torchrun: let them.
+        time.sleep(6)
+        assert node_processes(cluster, job_id, "agent-1")
+        agent = cluster.procs["agent-1"]
+        os.kill(agent.pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        try:
+            job = wait_state(api, job_id, timeout=30)
+            assert job["state"] == "failed"
+            assert "node1 (worker agent-1) was lost" in job["root_cause"]
+            # Heartbeat timeout (4 s) + the watchdog's poll + the grace: well under 30 s.
+            deadline = stopped_at + 30
+            while node_processes(cluster, job_id, "agent-1") and time.monotonic() < deadline:
+                time.sleep(0.2)
+            left = node_processes(cluster, job_id, "agent-1")
+            assert left == [], f"still running while the agent is stopped: {left}"
+            assert agent.poll() is None  # the agent itself is still there, stopped
+        finally:
+            os.kill(agent.pid, signal.SIGCONT)
+        wait_no_processes(cluster, job_id, timeout=30)
+
+
+def test_an_upload_that_fails_fails_the_job_naming_node_and_file(tmp_path: Path) -> None:
+    big_output = """
+import os
+out = os.environ["MUSTER_OUTPUT_DIR"]
+if os.environ["RANK"] == "2":
+    with open(os.path.join(out, "weights.bin"), "wb") as fh:
+        fh.write(os.urandom(2 << 20))
+with open(os.path.join(out, f"ok-{os.environ['RANK']}.txt"), "w") as fh:
+    fh.write("fine")
+"""
+    with LocalCluster(agents=2, server_args=["--max-artifact-mb", "1"]) as cluster:
+        api = cluster.client()
+        job_id = submit(api, write_job(tmp_path / "j", "upload", big_output))
+        job = wait_state(api, job_id, timeout=120)
+        assert job["state"] == "failed"
+        cause = job["root_cause"]
+        assert "node1 (worker agent-1) could not upload 1 output file(s)" in cause, cause
+        assert "weights.bin" in cause
+        assert "--max-artifact-mb" in cause
+        # The file stays with the agent for a person to fetch.
+        kept = list((cluster.data_dir or Path()).glob(f"agent-1/{job_id}/node1/**/weights.bin"))
+        assert kept, "the output that could not be uploaded was not kept"
+
+
+def test_pre_auth_garbage_at_volume_leaves_the_listener_serving(tmp_path: Path) -> None:
+    with LocalCluster(agents=2) as cluster:
+        url = cluster.url.replace("http", "ws") + "/v1/agents/link"
+        started = time.monotonic()
+        refused = 0
+        for i in range(120):
+            with connect(url, max_size=None, open_timeout=10) as ws:
+                ws.recv(timeout=10)  # the CHALLENGE
+                if i % 3 == 0:
+                    ws.send(b"\x00" * (1 << 20))  # 1 MiB before authenticating
+                elif i % 3 == 1:
+                    ws.send(os.urandom(200))
+                else:
+                    ws.send("not even binary")
+                with pytest.raises(Exception, match=r"1009|4401|1000"):
+                    ws.recv(timeout=10)
+                refused += 1
+        # Raw bytes that are not even HTTP, and connections that say nothing at all.
+        for _ in range(30):
+            with socket.create_connection(("127.0.0.1", cluster.port), timeout=5) as raw:
+                raw.sendall(os.urandom(4096))
+        assert refused == 120
+        assert time.monotonic() - started < 120
+        metrics = httpx.get(f"{cluster.url}/metrics", timeout=10).text
+        match = re.search(r'^muster_frames_refused_total\{reason="auth"\} (\S+)$', metrics, re.M)
+        assert match is not None
+        assert float(match.group(1)) >= 80  # the oversized ones may close below the app
+        # The honest agents were never disturbed, and the listener still serves.
+        api = cluster.client()
+        job_id = submit(api, write_job(tmp_path / "ok", "after", "print('fine')\n"))
+        assert wait_state(api, job_id)["state"] == "succeeded"

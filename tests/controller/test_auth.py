@@ -1,0 +1,199 @@
+"""Every route checks its own credential (muster.controller.auth), walked over the served
+OpenAPI with each kind of caller: nobody, a forged ticket, a stale ticket, a live agent's
+ticket, the join secret, a wrong token, and the API token."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from muster import wire
+from muster.controller.app import ControllerConfig, create_app
+from muster.controller.auth import credentials
+from muster.store import Store, open_store
+from muster.wire import Kind
+
+# What each route of the API is for. A route missing here fails the walk: whoever adds one
+# decides who may call it.
+RIGHTS = {
+    ("GET", "/v1/health"): "open",
+    ("POST", "/v1/jobs"): "user",
+    ("GET", "/v1/jobs"): "user",
+    ("GET", "/v1/jobs/{job_id}"): "user",
+    ("POST", "/v1/jobs/{job_id}/cancel"): "user",
+    ("GET", "/v1/jobs/{job_id}/logs"): "user",
+    ("POST", "/v1/bundles"): "user",
+    ("GET", "/v1/bundles/{sha256}"): "agent",
+    ("PUT", "/v1/jobs/{job_id}/artifacts/{node_rank}/{rel}"): "agent",
+    ("GET", "/v1/jobs/{job_id}/artifacts"): "user",
+    ("GET", "/v1/jobs/{job_id}/artifacts/{node_rank}/{rel}"): "user",
+    ("GET", "/v1/workers"): "user",
+    ("GET", "/metrics"): "user",
+}
+PARAMS = {"job_id": "nojob-0", "node_rank": "0", "rel": "model.pt", "sha256": "ab" * 32}
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Store]:
+    st = open_store(str(tmp_path / "muster.db"))
+    yield st
+    st.db.dispose()
+
+
+def serve(store: Store, tmp_path: Path, *, tls: bool) -> TestClient:
+    config = ControllerConfig(store=store, artifacts=tmp_path / "artifacts", tls=tls)
+    return TestClient(create_app(config))
+
+
+def link_ticket(client: TestClient, join_secret: str, worker_id: str = "w1") -> tuple[str, object]:
+    """Open a real control link (the handshake of muster.wire); returns its ticket."""
+    ws = client.websocket_connect("/v1/agents/link").__enter__()
+    challenge = wire.decode_plain(ws.receive_bytes(), Kind.CHALLENGE)
+    cnonce, anonce = wire.new_nonce(), str(challenge["nonce"])
+    proof = wire.auth_proof(join_secret, cnonce, anonce, worker_id)
+    ws.send_bytes(
+        wire.encode_plain(Kind.AUTH, {"worker_id": worker_id, "nonce": cnonce, "proof": proof})
+    )
+    codec = wire.LinkCodec(
+        wire.session_key(join_secret, cnonce, anonce),
+        send=wire.TO_CONTROLLER,
+        receive=wire.TO_AGENT,
+    )
+    welcome = codec.decode(ws.receive_bytes())
+    assert welcome.kind is Kind.WELCOME
+    return str(welcome.body["ticket"]), ws
+
+
+def routes(client: TestClient) -> list[tuple[str, str]]:
+    spec = client.get("/openapi.json").json()
+    found = [(m.upper(), p) for p, ops in spec["paths"].items() for m in ops]
+    found.append(("GET", "/metrics")) if ("GET", "/metrics") not in found else None
+    return found
+
+
+def call(client: TestClient, method: str, path: str, auth: str | None) -> int:
+    url = re.sub(r"\{(\w+)(:path)?\}", lambda m: PARAMS[m.group(1)], path)
+    headers = {"Authorization": auth} if auth is not None else {}
+    body: dict[str, object] = {}
+    if method in ("POST", "PUT"):
+        body = {"content": b"{}", "headers": {**headers, "X-Muster-Sha256": "00" * 32}}
+    else:
+        body = {"headers": headers}
+    return client.request(method, url, **body).status_code  # type: ignore[arg-type]
+
+
+def test_every_route_is_decided(store: Store, tmp_path: Path) -> None:
+    with serve(store, tmp_path, tls=True) as client:
+        assert set(routes(client)) == set(RIGHTS)
+
+
+def test_every_route_checks_its_own_credential(store: Store, tmp_path: Path) -> None:
+    creds = credentials(store)
+    with serve(store, tmp_path, tls=True) as client:
+        stale, stale_ws = link_ticket(client, creds.join_secret, "gone")
+        stale_ws.__exit__(None, None, None)  # type: ignore[attr-defined]
+        live, live_ws = link_ticket(client, creds.join_secret, "w1")
+        try:
+            callers = {
+                "nobody": None,
+                "forged ticket": "Ticket x",
+                "stale ticket": f"Ticket {stale}",
+                "agent ticket": f"Ticket {live}",
+                "join secret": f"Bearer {creds.join_secret}",
+                "wrong token": "Bearer not-the-token",
+                "api token": f"Bearer {creds.api_token}",
+            }
+            expected = {
+                "user": {
+                    "nobody": 401,
+                    "forged ticket": 401,
+                    "stale ticket": 401,
+                    "agent ticket": 403,
+                    "join secret": 403,
+                    "wrong token": 401,
+                },
+                "agent": {
+                    "nobody": 401,
+                    "forged ticket": 401,
+                    "stale ticket": 401,
+                    "join secret": 403,
+                    "wrong token": 401,
+                    "api token": 403,
+                    # A live ticket, but w1 is placed in no job: job-scoped, still refused.
+                    "agent ticket": 403,
+                },
+            }
+            wrong = []
+            for method, path in routes(client):
+                kind = RIGHTS[(method, path)]
+                for who, auth in callers.items():
+                    status = call(client, method, path, auth)
+                    want = expected.get(kind, {}).get(who)
+                    if want is not None and status != want:
+                        wrong.append(f"{method} {path} as {who}: {status}, want {want}")
+                    if want is None and status in (401, 403):
+                        wrong.append(f"{method} {path} as {who}: refused with {status}")
+            assert not wrong, "\n".join(wrong)
+        finally:
+            live_ws.__exit__(None, None, None)  # type: ignore[attr-defined]
+
+
+def test_forged_ticket_cannot_submit_over_tls(store: Store, tmp_path: Path) -> None:
+    """The bypass this replaces: any 'Ticket ...' header used to pass the middleware."""
+    with serve(store, tmp_path, tls=True) as client:
+        auth = {"Authorization": "Ticket x"}
+        assert client.get("/v1/jobs", headers=auth).status_code == 401
+        job = {"spec": {"name": "x", "entrypoint": "t.py"}}
+        assert client.post("/v1/jobs", json=job, headers=auth).status_code == 401
+        assert client.post("/v1/bundles", content=b"x", headers=auth).status_code == 401
+        assert store.jobs() == []
+
+
+def test_loopback_without_tls_keeps_user_routes_open_but_not_agent_routes(
+    store: Store, tmp_path: Path
+) -> None:
+    with serve(store, tmp_path, tls=False) as client:
+        assert client.get("/v1/jobs").status_code == 200
+        assert client.get(f"/v1/bundles/{'ab' * 32}").status_code == 401
+        assert (
+            client.get(
+                f"/v1/bundles/{'ab' * 32}", headers={"Authorization": "Ticket x"}
+            ).status_code
+            == 401
+        )
+
+
+def test_a_ticket_fetches_only_bundles_of_its_own_jobs(store: Store, tmp_path: Path) -> None:
+    creds = credentials(store)
+    with serve(store, tmp_path, tls=True) as client:
+        api = {"Authorization": f"Bearer {creds.api_token}"}
+        sha = client.post("/v1/bundles", content=b"someone else's code", headers=api).json()
+        ticket, ws = link_ticket(client, creds.join_secret)
+        try:
+            got = client.get(
+                f"/v1/bundles/{sha['sha256']}", headers={"Authorization": f"Ticket {ticket}"}
+            )
+            assert got.status_code == 403
+            assert "placed in no running job" in got.json()["error"]
+        finally:
+            ws.__exit__(None, None, None)  # type: ignore[attr-defined]
+
+
+def test_uploads_over_the_limit_get_413_naming_the_flag(store: Store, tmp_path: Path) -> None:
+    config = ControllerConfig(
+        store=store, artifacts=tmp_path / "artifacts", max_bundle_bytes=1 << 20
+    )
+    with TestClient(create_app(config)) as client:
+        big = b"x" * ((1 << 20) + 1)
+        answer = client.post("/v1/bundles", content=big)
+        assert answer.status_code == 413
+        assert "--max-bundle-mb" in answer.json()["error"]
+        # Streamed without a length, it is refused as it crosses the limit; nothing kept.
+        answer = client.post("/v1/bundles", content=iter([big[: 1 << 19], big[1 << 19 :]]))
+        assert answer.status_code == 413
+        assert list((tmp_path / "artifacts" / "bundles").iterdir()) == []
+        assert client.post("/v1/bundles", content=b"small").status_code == 201

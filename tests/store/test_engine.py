@@ -1,0 +1,133 @@
+"""Opening the database: reads never wait for a writer, files muster creates are private."""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from muster.spec import JobState
+from muster.store import Store, open_store
+from muster.store.engine import SQLITE_BUSY_TIMEOUT_MS, ensure_data_dir
+from tests.scheduler.workers import gang, worker
+from tests.store.locks import held_write_lock
+
+
+@pytest.fixture
+def sqlite_store(tmp_path: Path) -> Iterator[tuple[Store, str]]:
+    path = str(tmp_path / "muster.db")
+    store = open_store(path)
+    yield store, path
+    store.db.dispose()
+
+
+def _within(seconds: float, call: Callable[[], Any]) -> Any:
+    """Run ``call`` in a thread; fail unless it returns within ``seconds``."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = call()
+        except BaseException as exc:
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"a read waited more than {seconds} s for the writer"
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def test_sqlite_reads_do_not_wait_for_a_writer(sqlite_store: tuple[Store, str]) -> None:
+    store, path = sqlite_store
+    store.upsert_worker(worker("w00"))
+    job = store.submit_job(gang(1))
+    store.append_logs(job.id, [("rank", 0, 1, time.time(), "stdout", "hello")])
+    store.put_setting("token", "t")
+    reads: list[Callable[[], Any]] = [
+        lambda: store.job(job.id).state,
+        lambda: [j.id for j in store.jobs([JobState.QUEUED])],
+        store.job_counts,
+        lambda: store.members(job.id),
+        lambda: len(store.events(job.id)),
+        lambda: store.conditions(job.id),
+        lambda: [ln.text for ln in store.logs(job.id)],
+        lambda: [ln.text for ln in store.logs_after(job.id, 0)],
+        lambda: store.artifacts(job.id),
+        lambda: len(store.workers()),
+        lambda: len(store.worker_rows()),
+        lambda: store.get_setting("token"),
+        lambda: store.setting("token", lambda: "other"),
+    ]
+    assert SQLITE_BUSY_TIMEOUT_MS >= 5000
+    with held_write_lock(path):
+        t0 = time.monotonic()
+        got = [_within(2.0, read) for read in reads]
+        elapsed = time.monotonic() - t0
+    assert got[0] == "queued"
+    assert got[6] == got[7] == ["hello"]
+    assert got[11] == got[12] == "t"
+    assert elapsed < 2.0, f"{len(reads)} reads took {elapsed:.2f} s beside a writer"
+
+
+def test_writes_still_wait_for_the_writer(sqlite_store: tuple[Store, str]) -> None:
+    """A read-only transaction is only for reads: writes queue behind the lock as before."""
+    store, path = sqlite_store
+    done = threading.Event()
+
+    def write() -> None:
+        store.put_setting("k", "v")
+        done.set()
+
+    with held_write_lock(path):
+        thread = threading.Thread(target=write, daemon=True)
+        thread.start()
+        assert not done.wait(0.5), "a write went through while another writer held the lock"
+    thread.join(10)
+    assert store.get_setting("k") == "v"
+
+
+def test_a_new_data_dir_and_database_are_private(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    old = os.umask(0o022)
+    try:
+        data = tmp_path / "home" / "muster"
+        monkeypatch.setenv("MUSTER_DATA_DIR", str(data))
+        store = open_store()
+        try:
+            store.submit_job(gang(1))  # the -wal and -shm files exist while a connection is open
+            files = {p.name: stat.S_IMODE(p.stat().st_mode) for p in data.iterdir()}
+            assert stat.S_IMODE(data.stat().st_mode) == 0o700
+            assert files == {"muster.db": 0o600, "muster.db-wal": 0o600, "muster.db-shm": 0o600}
+        finally:
+            store.db.dispose()
+        assert ensure_data_dir() == data
+    finally:
+        os.umask(old)
+
+
+def test_an_existing_directory_keeps_its_mode(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    shared.chmod(0o755)
+    open_store(str(shared / "muster.db")).db.dispose()
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o755, "not muster's to tighten"
+    assert stat.S_IMODE((shared / "muster.db").stat().st_mode) == 0o600
+
+
+def test_ensure_data_dir_creates_it_private(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MUSTER_DATA_DIR", str(tmp_path / "a" / "b"))
+    path = ensure_data_dir()
+    assert path == tmp_path / "a" / "b"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o700
