@@ -70,8 +70,8 @@ def pinned_ssl_context(url: str, fingerprint: str | None) -> ssl.SSLContext:
     if not hmac.compare_digest(seen, fingerprint):
         raise InfrastructureError(
             f"the controller at {url} presented certificate sha256:{seen}, not the "
-            f"sha256:{fingerprint} in the token: refusing to talk to it (copy the token "
-            "again from `muster token`, or check the URL)"
+            f"sha256:{fingerprint} in the token: refusing to talk to it (copy the string "
+            "again from `muster token` on the controller, or check the URL)"
         )
     context = ssl.create_default_context(cadata=pem)
     context.check_hostname = False  # the pin names the exact certificate
@@ -85,7 +85,7 @@ class Client:
         self, url: str | None = None, token: str | None = None, timeout: float = 60.0
     ) -> None:
         self.url = controller_url(url)
-        token = token or os.environ.get("MUSTER_TOKEN")
+        token = token or os.environ.get("MUSTER_API_TOKEN")
         secret, pin = split_token(token) if token else ("", None)
         headers = {"Authorization": f"Bearer {secret}"} if secret else {}
         verify: ssl.SSLContext | bool = True
@@ -103,8 +103,8 @@ class Client:
             if "CERTIFICATE_VERIFY_FAILED" in str(exc):
                 raise UserError(
                     f"the controller at {self.url} has a certificate this machine does not "
-                    "trust: pass the whole join string from `muster token` as --token (or "
-                    "MUSTER_TOKEN); its sha256 part pins the certificate"
+                    "trust: give the whole string `muster token --api` prints (--token-file or "
+                    "MUSTER_API_TOKEN); its sha256 part pins the certificate"
                 ) from exc
             raise InfrastructureError(
                 f"cannot reach the controller at {self.url} ({exc}); start it with "
@@ -122,7 +122,10 @@ class Client:
         if response.status_code == 404:
             raise NotFound(message)
         if response.status_code in (401, 403):
-            raise UserError(f"{message} (pass --token, or set MUSTER_TOKEN)")
+            raise UserError(
+                f"{message} (pass --token-file, or set MUSTER_API_TOKEN, to what "
+                "`muster token --api` prints on the controller)"
+            )
         if response.status_code < 500:
             raise BadRequest(message)
         raise MusterError(f"controller error {response.status_code}: {message}")

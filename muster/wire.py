@@ -18,14 +18,14 @@ One control link is one WebSocket; each binary message is one frame:
 A frame that fails any check is refused (and counted by the receiver); the link stays up
 for the honest frames that follow.
 
-Handshake (the token never crosses the wire):
+Handshake (the join secret never crosses the wire):
     controller -> CHALLENGE {nonce: 32 random bytes, hex}
     agent      -> AUTH {worker_id, nonce, proof}
-                  proof = HMAC(token, "muster-auth\\0" || cnonce || anonce || worker_id)
+                  proof = HMAC(join secret, "muster-auth\\0" || cnonce || anonce || worker_id)
     controller -> WELCOME {proof, ticket, heartbeat_interval}  (first MAC'd frame, seq 1)
-                  proof = HMAC(token, "muster-server\\0" || cnonce || anonce): the agent
-                  checks that the controller holds the token too.
-    session key = HMAC(token, "muster-session\\0" || cnonce || anonce)
+                  proof = HMAC(join secret, "muster-server\\0" || cnonce || anonce): the agent
+                  checks that the controller holds the join secret too.
+    session key = HMAC(join secret, "muster-session\\0" || cnonce || anonce)
 The ``ticket`` is a random bearer secret for this session's HTTP calls (bundle download,
 artifact upload); it dies with the link.
 """
@@ -58,17 +58,24 @@ class Kind(IntEnum):
 
     CHALLENGE = 1  # C->A, first frame on a new link: {nonce}
     AUTH = 2  # A->C, answer to CHALLENGE: {worker_id, nonce, proof}
-    WELCOME = 3  # C->A, token proven: {proof, ticket, heartbeat_interval}
-    INVENTORY = 10  # A->C, after WELCOME and on change: {inventory, running: [job ids]}
+    WELCOME = 3  # C->A, secret proven: {proof, ticket, heartbeat_interval, heartbeat_timeout}
+    # A->C, after WELCOME and when a member ends: {inventory, running: [job ids], members:
+    # [{job, epoch, node_rank, exit_code (null: alive), signal}]}; the first of a link is
+    # what the agent still holds (muster.gang.LinkBack)
+    INVENTORY = 10
     HEARTBEAT = 11  # A->C, every few seconds: {time}
     HEARTBEAT_ACK = 12  # C->A, reply: {stop: [job ids that must stop now]}
     PREPARE_RENDEZVOUS = 20  # C->A node 0 only: {job, epoch, port | null}
     RENDEZVOUS_READY = 21  # A->C node 0: {job, epoch, addr, port}
     ASSIGN = 22  # C->A, after node 0 published: {job, epoch, node_rank, argv, env, ...}
     MEMBER_STARTED = 23  # A->C: {job, epoch, node_rank, pid}
-    MEMBER_EXITED = 24  # A->C: {job, epoch, node_rank, exit_code, signal, failed_rank, tail}
+    # A->C, every process of the member gone: {job, epoch, node_rank, exit_code, signal,
+    # failed_rank, failed_exit, tail}; kept and sent again on the next link if none was up
+    MEMBER_EXITED = 24
     ARTIFACTS_DONE = 25  # A->C, outputs uploaded: {job, epoch, node_rank, files}
-    STOP = 26  # C->A, kill the member's process tree: {job, reason}
+    # C->A, kill the member's process tree (or never start it): {job, epoch, node_rank,
+    # reason}; an agent without that member answers MEMBER_EXITED {..., absent: true}
+    STOP = 26
     LOGS = 30  # A->C: {job, batch, lines: [[origin, rank, seq, time, stream, text], ...]}
     LOGS_ACK = 31  # C->A, batch stored: {job, batch}
     ERROR = 40  # C->A, the controller refuses something: {message}

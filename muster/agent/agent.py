@@ -1,4 +1,4 @@
-"""The agent: dials the controller, proves it holds the token, keeps the link for life.
+"""The agent: dials the controller, proves it holds the join secret, keeps the link for life.
 
 The link's EOF is this host's exit as the controller sees it; heartbeats every few seconds
 catch a link that hangs without closing. With ``persist`` the agent dials again after a
@@ -17,6 +17,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse, urlunparse
@@ -28,6 +29,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from muster import wire
 from muster.agent.capture import Line
 from muster.agent.launcher import MemberRun
+from muster.agent.retention import remove_stale_job_dirs
 from muster.client import pinned_ssl_context
 from muster.errors import InfrastructureError
 from muster.spec import WorkerInventory
@@ -38,6 +40,9 @@ log = logging.getLogger("muster.agent")
 BATCH_LINES = 4000
 FLUSH_S = 0.05
 MAX_UNACKED = 32  # batches in flight before capture waits: nothing is dropped
+# Lines held in memory (waiting or unacked) before the capture stops reading the ranks' files:
+# while the controller is away, the rest waits on disk where torchrun wrote it.
+MAX_BACKLOG_LINES = 200_000
 
 
 class AuthRefused(Exception):
@@ -68,6 +73,8 @@ class AgentConfig:
     # How long the member watchdogs let this agent go without a beat before they end the
     # members' process trees themselves (an agent stopped by SIGSTOP, or wedged).
     watchdog_timeout: float = 30.0
+    # Job directories untouched this long (and not running here) are removed every hour.
+    retention: timedelta = timedelta(0)
 
 
 @dataclass
@@ -77,6 +84,11 @@ class _Shipper:
     pending: dict[str, deque[Line]] = field(default_factory=dict)
     unacked: dict[int, tuple[str, list[Line]]] = field(default_factory=dict)
     next_batch: int = 1
+
+    def backlog(self) -> int:
+        """Lines held: waiting to be sent, or sent and not yet acked."""
+        waiting = sum(len(q) for q in self.pending.values())
+        return waiting + sum(len(lines) for _job, lines in self.unacked.values())
 
     def add(self, job: str, lines: list[Line]) -> None:
         queue = self.pending.get(job)
@@ -113,6 +125,7 @@ class Agent:
         self.last_heard = time.monotonic()
         self.welcomed = False
         self.inventory: WorkerInventory | None = None
+        self.link_up = asyncio.Event()
         self.alive_file = config.work_dir / ".agent-alive"
 
     # ---- dialing -------------------------------------------------------------------------
@@ -122,6 +135,7 @@ class Agent:
         out every member's process tree is stopped. Returns an exit code."""
         session = asyncio.create_task(self._serve())
         beats = asyncio.create_task(self._beat_for_watchdogs())
+        collector = asyncio.create_task(self._collect_work_dirs())
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, session.cancel)
@@ -136,6 +150,23 @@ class Agent:
             return 0
         finally:
             beats.cancel()
+            collector.cancel()
+
+    async def _collect_work_dirs(self, every: float = 3600.0) -> None:
+        """Retention: every hour, remove the stale job directories of ended members."""
+        if not self.config.retention:
+            return
+        while True:
+            await asyncio.sleep(every)
+            try:
+                await asyncio.to_thread(
+                    remove_stale_job_dirs,
+                    self.config.work_dir,
+                    self.config.retention,
+                    running=set(self.members),
+                )
+            except Exception:
+                log.exception("collecting old job directories failed; trying again later")
 
     async def _beat_for_watchdogs(self, every: float = 1.0) -> None:
         """Touch the alive file: each member's watchdog ends the member's process tree when
@@ -149,6 +180,8 @@ class Agent:
             await asyncio.sleep(every)
 
     async def _serve(self) -> int:
+        # What this machine offers, probed once (importing torch takes seconds).
+        self.inventory = await asyncio.to_thread(self.config.inventory)
         delay = self.config.backoff[0]
         while True:
             self.welcomed = False
@@ -223,7 +256,8 @@ class Agent:
                 welcome = codec.decode(_bytes(await asyncio.wait_for(ws.recv(), 10)))
             except websockets.exceptions.ConnectionClosed as exc:
                 raise AuthRefused(
-                    "the controller refused this agent: check --token (from `muster token`)"
+                    "the controller refused this agent: check its join string (--token-file or "
+                    "MUSTER_TOKEN; `muster token` on the controller prints it)"
                 ) from exc
             except FrameRefused as exc:
                 raise AuthRefused(f"the controller's answer failed its check: {exc}") from exc
@@ -231,7 +265,7 @@ class Agent:
                 str(welcome.body.get("proof", "")),
                 wire.server_proof(self.config.token, cnonce, anonce),
             ):
-                raise AuthRefused("the controller could not prove it holds the token")
+                raise AuthRefused("the controller could not prove it holds the join secret")
             self.codec, self.ws = codec, ws
             self.welcomed = True
             self.last_heard = time.monotonic()
@@ -240,15 +274,12 @@ class Agent:
             self.heartbeat_timeout = float(
                 welcome.body.get("heartbeat_timeout", 5 * self.heartbeat_interval)
             )
-            self.inventory = await asyncio.to_thread(self.config.inventory)
-            await self._send_inventory()
-            log.info("connected to %s as %s", self.config.controller, self.config.worker_id)
-            for batch, (job, lines) in sorted(self.shipper.unacked.items()):
-                await self.send(Kind.LOGS, {"job": job, "batch": batch, "lines": lines})
-            tasks = [
-                asyncio.create_task(self._heartbeats()),
-                asyncio.create_task(self._flush_logs()),
-            ]
+            for member in self.members.values():  # uploads under way use the new ticket
+                member.http.headers["Authorization"] = f"Ticket {self.ticket}"
+            self.link_up.set()
+            # Beat and read from the first moment: the set-up below may take a while.
+            tasks = [asyncio.create_task(self._heartbeats())]
+            tasks.append(asyncio.create_task(self._after_welcome(tasks)))
             try:
                 async for message in ws:
                     self.last_heard = time.monotonic()
@@ -257,25 +288,54 @@ class Agent:
                     if task.done() and not task.cancelled() and task.exception() is not None:
                         raise task.exception()  # type: ignore[misc]
             finally:
+                self.link_up.clear()
                 for task in tasks:
                     task.cancel()
                 self.codec = self.ws = None
 
-    async def send(self, kind: Kind, body: dict[str, Any]) -> None:
+    async def _after_welcome(self, tasks: list[asyncio.Task[None]]) -> None:
+        """Reports the last link missed, what this agent holds, the unacked log batches;
+        then ship logs."""
+        for member in list(self.members.values()):
+            await member.resend()
+        await self._forget_settled()
+        if self.inventory is None:
+            self.inventory = await asyncio.to_thread(self.config.inventory)
+        await self._send_inventory()
+        log.info("connected to %s as %s", self.config.controller, self.config.worker_id)
+        for batch, (job, lines) in sorted(self.shipper.unacked.items()):
+            await self.send(Kind.LOGS, {"job": job, "batch": batch, "lines": lines})
+        tasks.append(asyncio.create_task(self._flush_logs()))
+
+    async def send(self, kind: Kind, body: dict[str, Any]) -> bool:
+        """Send a frame on the link; False when there is none (or it broke meanwhile)."""
         async with self._send_lock:
             if self.ws is None or self.codec is None:
-                return
-            with contextlib.suppress(websockets.exceptions.ConnectionClosed, TimeoutError):
+                return False
+            try:
                 await asyncio.wait_for(self.ws.send(self.codec.encode(kind, body)), 30)
+                return True
+            except (websockets.exceptions.ConnectionClosed, TimeoutError):
+                return False
 
     async def _send_inventory(self) -> None:
-        """What this machine offers, and the jobs whose members still run here."""
+        """What this machine offers, and every member it holds: alive, or how it exited."""
         if self.inventory is None:
             return
         await self.send(
             Kind.INVENTORY,
-            {"inventory": self.inventory.model_dump(mode="json"), "running": sorted(self.members)},
+            {
+                "inventory": self.inventory.model_dump(mode="json"),
+                "running": sorted(self.members),
+                "members": [m.report_for_inventory() for m in self.members.values()],
+            },
         )
+
+    async def _forget_settled(self) -> None:
+        for job, member in list(self.members.items()):
+            if member.settled:
+                del self.members[job]
+                await member.http.aclose()
 
     async def _heartbeats(self) -> None:
         """Beat every interval; a controller silent past its heartbeat timeout (every beat
@@ -371,6 +431,8 @@ class Agent:
             grace=self.config.grace,
             alive_file=self.alive_file,
             watchdog_timeout=self.heartbeat_timeout,
+            link_up=self.link_up,
+            may_read=lambda: self.shipper.backlog() < MAX_BACKLOG_LINES,
         )
         if job in self.members:
             log.warning("ignoring a second ASSIGN for %s", job)
@@ -382,15 +444,18 @@ class Agent:
                 await member.run()
             except Exception as exc:
                 log.exception("member of %s failed", job)
-                await self.send(
+                await member.report(
                     Kind.MEMBER_EXITED,
                     {**member.ids(), "exit_code": 1, "tail": [f"muster agent error: {exc}"]},
                 )
             finally:
-                await http.aclose()
-                self.members.pop(job, None)
-                # Every process of the member is gone: the controller may free this worker.
-                await self._send_inventory()
+                if not member.unsent:
+                    # Every process of the member is gone and the controller knows: forget
+                    # it (say so, so the worker can be freed). Otherwise it stays until the
+                    # next link carries its reports.
+                    await http.aclose()
+                    self.members.pop(job, None)
+                    await self._send_inventory()
 
         member.task = asyncio.create_task(run())
 

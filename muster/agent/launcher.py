@@ -31,11 +31,13 @@ from muster.wire import Kind
 
 log = logging.getLogger("muster.agent")
 
-Send = Callable[[Kind, dict[str, Any]], Awaitable[None]]
+# Sends a frame on the agent's link; False when there was no link to send it on.
+Send = Callable[[Kind, dict[str, Any]], Awaitable[bool]]
 # How torchrun is started: asyncio.create_subprocess_exec (a seam for the tests).
 Spawn = Callable[..., Awaitable[asyncio.subprocess.Process]]
 POLL_S = 0.05
 REAPER_DELAY_S = 5.0
+UPLOAD_PATIENCE_S = 600.0  # how long an upload waits for an unreachable controller
 
 
 class MemberRun:
@@ -54,6 +56,9 @@ class MemberRun:
         alive_file: Path | None = None,
         watchdog_timeout: float = 30.0,
         spawn: Spawn = asyncio.create_subprocess_exec,
+        link_up: asyncio.Event | None = None,
+        upload_patience: float = UPLOAD_PATIENCE_S,
+        may_read: Callable[[], bool] = lambda: True,
     ) -> None:
         self.job = str(assignment["job"])
         self.epoch = int(assignment["epoch"])
@@ -81,6 +86,16 @@ class MemberRun:
         self.watchdog_timeout = watchdog_timeout
         self.alive_file = alive_file
         self.spawn = spawn
+        if link_up is None:
+            link_up = asyncio.Event()
+            link_up.set()
+        self.link_up = link_up
+        self.upload_patience = upload_patience
+        self.may_read = may_read
+        self.exit_code: int | None = None  # set once torchrun (or the set-up) has ended
+        self.signal: str | None = None
+        # Reports that found no link (the controller was away): sent again on the next one.
+        self.unsent: list[tuple[Kind, dict[str, Any]]] = []
 
     def ids(self) -> dict[str, Any]:
         return {"job": self.job, "epoch": self.epoch, "node_rank": self.node}
@@ -98,15 +113,10 @@ class MemberRun:
             out_dir.mkdir(parents=True, exist_ok=True)
         except (OSError, InfrastructureError, httpx.HTTPError, tarfile.TarError) as exc:
             self._launcher_line("stderr", f"muster: could not prepare the run directory: {exc}")
-            await self.send(
-                Kind.MEMBER_EXITED,
-                {**self.ids(), "exit_code": 127, "tail": list(self.launcher_lines)},
-            )
+            await self._exited({"exit_code": 127, "tail": list(self.launcher_lines)})
             return
         if self.stopping:
-            await self.send(
-                Kind.MEMBER_EXITED, {**self.ids(), "exit_code": 143, "signal": "SIGTERM"}
-            )
+            await self._exited({"exit_code": 143, "signal": "SIGTERM"})
             return
         addressing = self.addressing
         argv = torchrun_argv(
@@ -146,7 +156,8 @@ class MemberRun:
         ]
         wait = asyncio.create_task(self.proc.wait())
         while not wait.done():
-            tailer.poll()
+            if self.may_read():  # else the lines wait in the rank files on disk
+                tailer.poll()
             await asyncio.wait([wait], timeout=POLL_S)
         await asyncio.gather(*pumps, return_exceptions=True)
         reaper.cancel()
@@ -183,17 +194,40 @@ class MemberRun:
             tail = list(tailer.tails[failed_rank])
         elif code != 0:
             tail = list(self.launcher_lines)[-20:]
-        await self.send(
-            Kind.MEMBER_EXITED,
+        await self._exited(
             {
-                **self.ids(),
                 "exit_code": code,
                 "signal": sig,
                 "failed_rank": failed_rank,
                 "failed_exit": failed_exit,
                 "tail": tail,
-            },
+            }
         )
+
+    async def _exited(self, details: dict[str, Any]) -> None:
+        self.exit_code = int(details["exit_code"])
+        self.signal = details.get("signal")
+        await self.report(Kind.MEMBER_EXITED, {**self.ids(), **details})
+
+    async def report(self, kind: Kind, body: dict[str, Any]) -> None:
+        """Send a report the controller must get; kept for the next link if none is up."""
+        if not await self.send(kind, body):
+            self.unsent.append((kind, body))
+
+    async def resend(self) -> None:
+        """On a new link: the reports the last one missed, in their order."""
+        unsent, self.unsent = self.unsent, []
+        for kind, body in unsent:
+            await self.report(kind, body)
+
+    @property
+    def settled(self) -> bool:
+        """Over, and the controller has every report: the agent may forget the member."""
+        return self.task is not None and self.task.done() and not self.unsent
+
+    def report_for_inventory(self) -> dict[str, Any]:
+        """What the agent says of this member when it dials in (see muster.gang.LinkBack)."""
+        return {**self.ids(), "exit_code": self.exit_code, "signal": self.signal}
 
     async def _pump(self, stream: asyncio.StreamReader, name: str) -> None:
         while True:
@@ -222,24 +256,48 @@ class MemberRun:
     async def _upload(self, out_dir: Path) -> None:
         files: list[str] = []
         errors: list[str] = []
+        deadline = time.monotonic() + self.upload_patience
         for path in list_outputs(out_dir):
             rel = path.relative_to(out_dir).as_posix()
             digest = await asyncio.to_thread(_sha256, path)
-            try:
-                response = await self.http.put(
-                    f"/v1/jobs/{self.job}/artifacts/{self.node}/{rel}",
-                    content=_read_chunks(path),
-                    headers={"X-Muster-Sha256": digest},
-                )
+            while True:
+                try:
+                    response = await self.http.put(
+                        f"/v1/jobs/{self.job}/artifacts/{self.node}/{rel}",
+                        content=_read_chunks(path),
+                        headers={"X-Muster-Sha256": digest},
+                    )
+                except httpx.TransportError as exc:
+                    # The controller is away (restarting): wait for the agent's next link.
+                    if await self._link_back_before(deadline):
+                        continue
+                    errors.append(f"{rel}: {exc}")
+                    break
+                except httpx.HTTPError as exc:
+                    errors.append(f"{rel}: {exc}")
+                    break
+                if response.status_code == 401 and await self._link_back_before(deadline):
+                    continue  # the ticket of a link that has since ended: a new one comes
                 if response.status_code == 201:
                     files.append(rel)
                 else:
                     errors.append(f"{rel}: HTTP {response.status_code} {response.text[:200]}")
-            except httpx.HTTPError as exc:
-                errors.append(f"{rel}: {exc}")
+                break
         for err in errors:
             self._launcher_line("stderr", f"muster: upload failed: {err}")
-        await self.send(Kind.ARTIFACTS_DONE, {**self.ids(), "files": files, "errors": errors})
+        await self.report(Kind.ARTIFACTS_DONE, {**self.ids(), "files": files, "errors": errors})
+
+    async def _link_back_before(self, deadline: float) -> bool:
+        """Wait (bounded) for the agent's link to be up again; False past ``deadline``."""
+        await asyncio.sleep(1.0)
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        try:
+            await asyncio.wait_for(self.link_up.wait(), remaining)
+        except TimeoutError:
+            return False
+        return True
 
     async def stop(self, reason: str) -> None:
         """Kill the member's whole process tree: SIGTERM, then SIGKILL after the grace.

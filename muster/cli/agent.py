@@ -13,7 +13,9 @@ import typer
 
 from muster.agent.agent import Agent, AgentConfig
 from muster.agent.inventory import advertise_address_for, check_interface, collect
+from muster.agent.retention import remove_stale_job_dirs
 from muster.cli.common import read_secret
+from muster.cli.gc import parse_retention
 from muster.cli.main import app, reports_errors
 from muster.client import controller_url, split_token
 from muster.errors import UserError
@@ -49,8 +51,14 @@ def agent(
     ),
     persist: bool = typer.Option(False, help="dial again forever when the link is lost"),
     grace: float = typer.Option(10.0, help="seconds between SIGTERM and SIGKILL on stop"),
+    retention: str = typer.Option(
+        "0",
+        help="delete work-dir job directories untouched for this long (7d, 36h) and not "
+        "running here; 0 keeps them forever",
+    ),
 ) -> None:
     """Dial the controller and run the gang members it assigns here."""
+    keep_for = parse_retention(retention, "--retention")
     url = controller_url(controller)
     worker_id = name or socket.gethostname()
     token = read_secret(token_file, "MUSTER_TOKEN", "the join string")
@@ -76,6 +84,8 @@ def agent(
         ),
         persist=persist,
         grace=grace,
+        retention=keep_for,
     )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    remove_stale_job_dirs(config.work_dir, keep_for)  # nothing runs here yet
     raise typer.Exit(asyncio.run(Agent(config).run()))

@@ -51,6 +51,7 @@ def main() -> None:
         agent,
         artifacts,
         demo,
+        gc,
         jobs,
         k8s,
         logs,

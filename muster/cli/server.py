@@ -8,9 +8,11 @@ from pathlib import Path
 import typer
 import uvicorn
 
+from muster.cli.gc import parse_retention
 from muster.cli.main import app, err, reports_errors
 from muster.controller.app import ControllerConfig, create_app, is_loopback
 from muster.controller.links import LINK_MAX_BYTES
+from muster.controller.retention import start_collecting
 from muster.controller.tls import controller_certificate, fingerprint, write_pem_files
 from muster.errors import UserError
 from muster.store import ensure_data_dir, open_store
@@ -32,12 +34,21 @@ def server(
     tls_key: Path = typer.Option(None, help="PEM key for --tls-cert"),
     max_bundle_mb: int = typer.Option(512, help="largest source bundle accepted, in MiB"),
     max_artifact_mb: int = typer.Option(8192, help="largest single output file, in MiB"),
+    retention: str = typer.Option(
+        "0",
+        help="hourly, delete outputs and unused bundles of jobs that ended longer ago than "
+        "this (7d, 36h); 0 keeps them forever",
+    ),
+    retention_logs: bool = typer.Option(
+        False, "--retention-logs", help="with --retention, delete those jobs' log lines too"
+    ),
 ) -> None:
     """Run the controller: HTTP API, agents' control links and /metrics on one port."""
     if heartbeat_timeout <= heartbeat_interval:
         raise UserError("--heartbeat-timeout must exceed --heartbeat-interval")
     if max_bundle_mb < 1 or max_artifact_mb < 1:
         raise UserError("--max-bundle-mb and --max-artifact-mb must be at least 1")
+    keep_for = parse_retention(retention, "--retention")
     store = open_store(db)
     loopback = is_loopback(host)
     if tls is None:
@@ -58,8 +69,11 @@ def server(
         tls=tls,
         max_bundle_bytes=max_bundle_mb << 20,
         max_artifact_bytes=max_artifact_mb << 20,
+        port=port,
     )
     application = create_app(config)
+    if keep_for:
+        start_collecting(store, config.artifacts, keep_for, logs=retention_logs)
     where = store.db.engine.url.render_as_string(hide_password=True)
     scheme = "https" if tls else "http"
     err.print(f"muster controller on {scheme}://{host}:{port} (database {where})", markup=False)

@@ -7,13 +7,13 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Depends, Header, Request
+from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import FileResponse
 
 from muster.controller.auth import require_agent, require_user
 from muster.controller.files import FileStore
 from muster.controller.gangs import Controller
-from muster.errors import BadRequest, FieldError, Forbidden, NotFound, SpecError
+from muster.errors import BadRequest, FieldError, Forbidden, NotFound, SpecError, UserError
 from muster.plan import rank_plan
 from muster.spec import JobState, parse_job
 from muster.store import Store
@@ -24,6 +24,9 @@ from muster.store.models import Job
 router = APIRouter(prefix="/v1")
 users = APIRouter(prefix="/v1", dependencies=[Depends(require_user)])
 agents = APIRouter(prefix="/v1")
+
+INT32, INT64 = 2**31, 2**63  # ranks are 32-bit columns, log cursors 64-bit
+SUBMIT_HINT = "send a JSON object {'spec': {...}, 'bundle_sha256': '...'}"
 
 
 def controller(request: Request) -> Controller:
@@ -63,9 +66,9 @@ def job_summary(job: Job) -> dict[str, Any]:
 
 @users.post("/jobs", status_code=201)
 async def submit(request: Request) -> dict[str, Any]:
-    body = await request.json()
-    if not isinstance(body, dict) or "spec" not in body:
-        raise BadRequest("send {'spec': {...}, 'bundle_sha256': '...'}")
+    body = await _json_object(request)
+    if "spec" not in body:
+        raise UserError(f"the request body has no 'spec'; {SUBMIT_HINT}")
     spec = parse_job(body["spec"], source="spec")
     bundle = body.get("bundle_sha256")
     if bundle is not None and not files(request).has_bundle(str(bundle)):
@@ -74,6 +77,19 @@ async def submit(request: Request) -> dict[str, Any]:
     job = await ctl.db(store(request).submit_job, spec, bundle_sha256=bundle)
     ctl.request_pass()
     return job_summary(job)
+
+
+async def _json_object(request: Request) -> dict[str, Any]:
+    """The request body as a JSON object; anything else is a 400 that says what it got."""
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        what = "empty" if not raw.strip() else f"not JSON ({exc})"
+        raise UserError(f"the request body is {what}; {SUBMIT_HINT}") from None
+    if not isinstance(body, dict):
+        raise UserError(f"the request body is a JSON {type(body).__name__}; {SUBMIT_HINT}")
+    return body
 
 
 @users.get("/jobs")
@@ -136,10 +152,10 @@ async def cancel(job_id: str, request: Request) -> dict[str, Any]:
 async def logs(
     job_id: str,
     request: Request,
-    rank: int | None = None,
+    rank: int | None = Query(None, ge=0, lt=INT32),
     node: int | None = None,
     after: str = "",
-    limit: int = 10_000,
+    limit: int = Query(10_000, ge=1),
 ) -> dict[str, Any]:
     """Lines after the cursor ``after`` (opaque; from the previous answer's ``next``)."""
     st, ctl = store(request), controller(request)
@@ -181,7 +197,7 @@ def _decode_cursor(text: str) -> int:
         data = json.loads(base64.urlsafe_b64decode(text.encode()))
     except ValueError as exc:
         raise BadRequest("after: not a cursor this API returned") from exc
-    if isinstance(data, bool) or not isinstance(data, int) or data < 0:
+    if isinstance(data, bool) or not isinstance(data, int) or not 0 <= data < INT64:
         raise BadRequest("after: not a cursor this API returned; start again without it")
     return data
 

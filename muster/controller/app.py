@@ -18,6 +18,7 @@ from muster.controller.api import agents, router, users
 from muster.controller.auth import Guard, Tickets, credentials, require_user
 from muster.controller.files import FileStore
 from muster.controller.gangs import Controller
+from muster.controller.lease import ControllerLease
 from muster.controller.links import (
     CLOSE_REFUSED,
     CLOSE_SERVER_EXITING,
@@ -45,6 +46,8 @@ class ControllerConfig:
     tls: bool = False
     max_bundle_bytes: int = 512 << 20
     max_artifact_bytes: int = 8 << 30
+    restart_grace: float | None = None  # default: 3 heartbeat timeouts
+    port: int = 0  # for the lease record: who holds this database
 
 
 def is_loopback(host: str) -> bool:
@@ -58,21 +61,26 @@ def is_loopback(host: str) -> bool:
 
 def create_app(config: ControllerConfig) -> FastAPI:
     store = config.store
+    lease = ControllerLease(store, config.port)
+    lease.acquire()
+    # No agent is connected yet: each comes back when it dials in. Jobs caught mid-run are
+    # rebuilt and held for the restart grace while their agents dial back (restore_runs).
     store.mark_all_offline()
-    # Nothing tracks a gang across a controller restart: jobs caught mid-run fail now, and
-    # their agents are told to stop them when they dial in again.
-    store.fail_active_jobs("the controller restarted while the job was running; resubmit it")
     metrics = Metrics()
     tickets = Tickets()
-    controller = Controller(store, metrics, config.heartbeat_timeout, tickets)
+    controller = Controller(
+        store, metrics, config.heartbeat_timeout, tickets, restart_grace=config.restart_grace
+    )
     creds = credentials(store)
     needs_auth = config.tls or not is_loopback(config.host)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        await controller.restore_runs()
         tasks = [
             asyncio.create_task(controller.supervise()),
             asyncio.create_task(controller.logs.run()),
+            asyncio.create_task(lease.keep()),
         ]
         controller.request_pass()
         try:
@@ -82,6 +90,7 @@ def create_app(config: ControllerConfig) -> FastAPI:
                 task.cancel()
             for link in list(controller.links.values()):
                 await link.close(1001)
+            await asyncio.to_thread(lease.release)
 
     app = FastAPI(title="muster", version="0.1.0", lifespan=lifespan)
     app.state.store = store

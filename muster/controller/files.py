@@ -77,7 +77,7 @@ class FileStore:
 def safe_relative(rel: str) -> PurePosixPath:
     """A relative path with no '..', absolute part or empty name."""
     path = PurePosixPath(rel)
-    if not rel or path.is_absolute() or ".." in path.parts or "" in path.parts:
+    if not rel or "\0" in rel or path.is_absolute() or ".." in path.parts or "" in path.parts:
         raise BadRequest(f"{rel!r} is not a relative path inside the output directory")
     return path
 

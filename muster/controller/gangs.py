@@ -1,16 +1,17 @@
-"""The controller's supervision: scheduler passes, gated rendezvous, fail-fast (seed 001).
+"""The controller's supervision: scheduler passes, and a thin shell around ``muster.gang``.
 
-One gang run, as the controller drives it:
+Every decision about a gang run is ``muster.gang.step``'s (events in, actions out). This
+module turns what happens into events (frames from agents, links that come and go, the
+clock, the API, a restart) and applies the actions in order: store writes and frames. It
+decides nothing itself, apart from two things that are not about a run:
 
-    reserve (one transaction) ─► PREPARE_RENDEZVOUS to node 0
-      ─► node 0 publishes addr:port ─► ASSIGN to every member, node 0 first
-      ─► every member started: job running
-      ─► every member exited 0 and uploaded its outputs: job succeeded
+- which queued jobs to place (``muster.scheduler.schedule``, in one pass under the lock);
+- what to tell an agent that reports members of jobs this controller no longer tracks
+  (stop them; its worker stays busy until they are gone).
 
-The first member that exits non-zero, is lost, or outlives the job's timeout fails the job:
-running members are told to STOP at once (and again on each heartbeat until they report
-their exit), members never started are cancelled. Every state change goes through the
-store; ``lock`` serializes the decisions.
+A restart rebuilds the runs of the jobs caught mid-run from the store and holds them for a
+grace (a multiple of the heartbeat timeout): agents that dial back report their members
+and the jobs go on; a member that does not come back within the grace fails its job.
 """
 
 from __future__ import annotations
@@ -19,15 +20,41 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from muster.controller.auth import Tickets
 from muster.controller.ingest import LogIngest
 from muster.controller.links import Link
 from muster.controller.metrics import Metrics
-from muster.errors import BadRequest, PlacementConflict
+from muster.errors import BadRequest, IllegalTransition, PlacementConflict
+from muster.gang import (
+    Action,
+    Cancel,
+    ControllerRestarted,
+    Event,
+    GangRun,
+    LinkBack,
+    LinkLost,
+    MemberExited,
+    MemberReport,
+    MemberSnapshot,
+    MemberStarted,
+    OutputsStored,
+    Placed,
+    PortPublished,
+    RecordEvent,
+    ReleaseWorker,
+    SendAssign,
+    SendPrepareRendezvous,
+    SendStop,
+    SetJobState,
+    SetMemberState,
+    SetRendezvous,
+    Tick,
+    step,
+)
 from muster.plan import GangAddressing, gang_addressing
 from muster.scheduler import Placement, PoolIndex, QueuedJob, schedule
 from muster.spec import JobSpec, JobState, MemberState, PathClass, WorkerInventory, WorkerState
@@ -40,40 +67,36 @@ T = TypeVar("T")
 # The path classes this controller sets up. Direct (WireGuard) and relayed come with the
 # gang networking issues; until then a gang that would need them waits, saying so.
 SUPPORTED_PATHS = frozenset({PathClass.PRIVATE})
+RESTART_GRACE_HEARTBEATS = 3  # after a restart, runs wait this many heartbeat timeouts
 
 
 @dataclass
-class GangRun:
-    """What the controller tracks of one job's running epoch."""
+class RunEntry:
+    """One tracked gang run (``muster.gang``) and what the controller needs to apply it."""
 
-    job_id: str
-    epoch: int
+    gang: GangRun
     spec: JobSpec
-    path: PathClass
-    workers: list[str]  # node rank -> worker id
     inventories: list[WorkerInventory]
     bundle: str | None
     addressing: GangAddressing | None = None
-    started: set[int] = field(default_factory=set)
-    exited: dict[int, int] = field(default_factory=dict)
-    uploaded: set[int] = field(default_factory=set)
-    deadline: float | None = None
-    over: bool = False  # the job reached a terminal state; members may still be stopping
-
-    def node_of(self, worker_id: str) -> int | None:
-        return self.workers.index(worker_id) if worker_id in self.workers else None
 
 
 class Controller:
     def __init__(
-        self, store: Store, metrics: Metrics, heartbeat_timeout: float, tickets: Tickets
+        self,
+        store: Store,
+        metrics: Metrics,
+        heartbeat_timeout: float,
+        tickets: Tickets,
+        restart_grace: float | None = None,
     ) -> None:
         self.store = store
         self.tickets = tickets
         self.metrics = metrics
         self.heartbeat_timeout = heartbeat_timeout
+        self.restart_grace = restart_grace or RESTART_GRACE_HEARTBEATS * heartbeat_timeout
         self.links: dict[str, Link] = {}
-        self.runs: dict[str, GangRun] = {}
+        self.runs: dict[str, RunEntry] = {}
         self.lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self.logs = LogIngest(store, metrics)
@@ -88,14 +111,111 @@ class Controller:
     def runs_bundle(self, worker_id: str, sha256: str) -> bool:
         """Whether the worker is placed in a job (not yet over) whose bundle is ``sha256``."""
         return any(
-            run.bundle == sha256 and worker_id in run.workers and not run.over
-            for run in self.runs.values()
+            entry.bundle == sha256 and worker_id in entry.gang.workers and not entry.gang.is_over
+            for entry in self.runs.values()
         )
+
+    # ---- the shell: step, then apply ----------------------------------------------------
+
+    async def _step(self, entry: RunEntry, event: Event) -> None:
+        """Step the run and apply what it decided; a send that finds no link becomes a
+        LinkLost for that worker once the rest of the batch is applied."""
+        entry.gang, actions = step(entry.gang, event, time.time())
+        lost = await self._apply(entry, actions)
+        for worker, why in lost:
+            entry.gang, actions = step(entry.gang, LinkLost(worker, why), time.time())
+            await self._apply(entry, actions)
+        if entry.gang.settled and self.runs.get(entry.gang.job) is entry:
+            del self.runs[entry.gang.job]
+            self.request_pass()
+
+    async def _apply(self, entry: RunEntry, actions: Sequence[Action]) -> list[tuple[str, str]]:
+        run = entry.gang
+        job, epoch = run.job, run.epoch
+        lost: list[tuple[str, str]] = []
+
+        async def send(worker: str, kind: Kind, body: dict[str, Any]) -> bool:
+            link = self.links.get(worker)
+            if link is not None and await link.send(kind, body):
+                return True
+            lost.append((worker, f"it had no control link when {kind.name} was sent"))
+            return False
+
+        for action in actions:
+            if isinstance(action, SetJobState):
+                try:
+                    await self.db(self.store.set_job_state, job, action.state, action.reason)
+                except IllegalTransition as exc:  # the store moved first (say, a cancel)
+                    log.warning("job %s: %s", job, exc)
+                if action.state.is_terminal:
+                    self.request_pass()
+            elif isinstance(action, SetMemberState):
+                address = None
+                if action.state is MemberState.ASSIGNED and entry.addressing is not None:
+                    address = entry.addressing.addresses[action.node]
+                await self.db(
+                    self.store.set_member_state,
+                    job,
+                    action.node,
+                    action.state,
+                    exit_code=action.exit_code,
+                    signal=action.signal,
+                    path_address=address,
+                )
+            elif isinstance(action, RecordEvent):
+                await self.db(
+                    self.store.record_event,
+                    action.kind,
+                    action.message,
+                    job=job,
+                    worker=action.worker,
+                    data=dict(action.data),
+                )
+            elif isinstance(action, ReleaseWorker):
+                await self.db(self.store.release_worker, action.worker, job)
+                self.request_pass()
+            elif isinstance(action, SendPrepareRendezvous):
+                body = {"job": job, "epoch": epoch, "addr": action.addr, "port": action.port}
+                await send(action.worker, Kind.PREPARE_RENDEZVOUS, body)
+            elif isinstance(action, SetRendezvous):
+                await self.db(self.store.set_epoch_rendezvous, job, epoch, action.addr, action.port)
+                entry.addressing = gang_addressing(
+                    entry.gang.path or PathClass.PRIVATE, entry.inventories, action.port
+                )
+            elif isinstance(action, SendAssign):
+                await send(action.worker, Kind.ASSIGN, self._assignment(entry, action.node))
+            elif isinstance(action, SendStop):
+                link = self.links.get(action.worker)
+                if link is not None:  # a worker without a link is lost already
+                    order = {
+                        "job": job,
+                        "epoch": epoch,
+                        "node_rank": run.node_of(action.worker),
+                        "reason": action.reason,
+                    }
+                    await link.send(Kind.STOP, order)
+        return lost
+
+    def _assignment(self, entry: RunEntry, node: int) -> dict[str, Any]:
+        addressing = entry.addressing
+        if addressing is None:  # step assigns only after SetRendezvous: a bug if reached
+            raise IllegalTransition(f"job {entry.gang.job}: ASSIGN before node0 published")
+        return {
+            "job": entry.gang.job,
+            "epoch": entry.gang.epoch,
+            "node_rank": node,
+            "spec": entry.spec.model_dump(mode="json"),
+            "path": addressing.path.value,
+            "addresses": list(addressing.addresses),
+            "interfaces": list(addressing.interfaces),
+            "master_port": addressing.master_port,
+            "bundle": entry.bundle,
+        }
 
     # ---- the supervision loop ------------------------------------------------------------
 
     async def supervise(self, tick: float = 0.5) -> None:
-        """Scheduler passes when asked (and every tick), stale links, job timeouts.
+        """Scheduler passes when asked (and every tick), stale links, the runs' clock.
 
         Runs for the controller's life: a step that fails is logged with its traceback,
         counted in muster_internal_errors_total{loop="supervise"}, and the loop goes on.
@@ -104,19 +224,14 @@ class Controller:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), tick)
             self._wake.clear()
-            for step in (
-                self._check_links,
-                self._check_timeouts,
-                self.scheduler_pass,
-                self._update_gauges,
-            ):
+            for part in (self._check_links, self._tick_runs, self.scheduler_pass, self._gauges):
                 try:
-                    await step()
+                    await part()
                 except asyncio.CancelledError:
                     raise
                 except Exception:
                     self.metrics.internal_errors.labels("supervise").inc()
-                    log.exception("supervision step %s failed; going on", step.__name__)
+                    log.exception("supervision step %s failed; going on", part.__name__)
 
     async def _check_links(self) -> None:
         now = time.monotonic()
@@ -129,14 +244,13 @@ class Controller:
                 )
                 await link.close(1011)
 
-    async def _check_timeouts(self) -> None:
-        now = time.monotonic()
-        for run in list(self.runs.values()):
-            if not run.over and run.deadline is not None and now > run.deadline:
-                async with self.lock:
-                    await self._fail(run, f"timed out after {run.spec.timeout}s (spec.timeout)")
+    async def _tick_runs(self) -> None:
+        """Job timeouts and the grace after a restart are the runs' clock."""
+        async with self.lock:
+            for entry in list(self.runs.values()):
+                await self._step(entry, Tick())
 
-    async def _update_gauges(self) -> None:
+    async def _gauges(self) -> None:
         self.metrics.agents.set(len(self.links))
         counts = await self.db(self.store.job_counts)
         for state in JobState:
@@ -165,6 +279,7 @@ class Controller:
                         f"the stored spec no longer validates ({_first_line(exc)}); "
                         "fix it and submit the job again",
                     )
+            specs = {j.id: j.spec for j in jobs}
             bundles = {j.id: j.bundle_sha256 for j in queued}
             pending: dict[str, str | None] = {}
             for decision in schedule(jobs, PoolIndex(views), SUPPORTED_PATHS):
@@ -183,45 +298,89 @@ class Controller:
                     log.info("placement lost a race: %s", exc)
                     continue
                 self.metrics.placement.observe(time.perf_counter() - started)
-                spec = next(j.spec for j in jobs if j.id == decision.job_id)
-                run = GangRun(
-                    job_id=decision.job_id,
-                    epoch=epoch.number,
-                    spec=spec,
-                    path=outcome.path,
-                    workers=list(outcome.worker_ids),
-                    inventories=list(outcome.members),
-                    bundle=bundles[decision.job_id],
+                spec = specs[decision.job_id]
+                entry = RunEntry(GangRun(), spec, list(outcome.members), bundles[decision.job_id])
+                self.runs[decision.job_id] = entry
+                self.logs.note_senders(decision.job_id, list(outcome.worker_ids))
+                planned = gang_addressing(outcome.path, entry.inventories, 0)
+                await self._step(
+                    entry,
+                    Placed(
+                        job=decision.job_id,
+                        epoch=epoch.number,
+                        workers=tuple(outcome.worker_ids),
+                        path=outcome.path,
+                        port=spec.gang.rendezvous.port,
+                        timeout=spec.timeout or None,
+                        master_addr=planned.master_addr,
+                    ),
                 )
-                self.runs[run.job_id] = run
-                self.logs.note_senders(run.job_id, run.workers)
-                await self._start_rendezvous(run)
             if pending:
                 # One transaction, and only the reasons that changed are written.
                 await self.db(self.store.set_why_pending_many, pending)
 
-    async def _start_rendezvous(self, run: GangRun) -> None:
-        await self.db(
-            self.store.set_job_state,
-            run.job_id,
-            JobState.RENDEZVOUS,
-            f"epoch {run.epoch}: waiting for node0 to publish its address",
-        )
-        if run.spec.timeout:
-            run.deadline = time.monotonic() + run.spec.timeout
-        planned = gang_addressing(run.path, run.inventories, 0)
-        node0 = self.links.get(run.workers[0])
-        sent = node0 is not None and await node0.send(
-            Kind.PREPARE_RENDEZVOUS,
-            {
-                "job": run.job_id,
-                "epoch": run.epoch,
-                "addr": planned.master_addr,
-                "port": run.spec.gang.rendezvous.port,
-            },
-        )
-        if not sent:
-            await self._fail(run, f"node0 (worker {run.workers[0]}) was lost before rendezvous")
+    # ---- after a restart -----------------------------------------------------------------
+
+    async def restore_runs(self) -> None:
+        """Rebuild the runs of jobs caught mid-run and hold them for the grace; a job whose
+        spec no longer validates fails at once."""
+        records = await self.db(self.store.active_runs)
+        if not records:
+            return
+        views = {v.inventory.id: v.inventory for v in await self.db(self.store.workers)}
+        now = time.time()
+        async with self.lock:
+            for rec in records:
+                job_id = rec.job.id
+                try:
+                    spec = self.store.job_spec(rec.job)
+                    inventories = [views[m.worker_id] for m in rec.members]
+                except (ValueError, KeyError) as exc:
+                    await self.db(
+                        self.store.set_job_state,
+                        job_id,
+                        JobState.FAILED,
+                        f"the controller restarted and could not rebuild the run: {exc}",
+                    )
+                    continue
+                path = PathClass(rec.epoch.path_class)
+                published = None
+                if rec.epoch.master_addr and rec.epoch.master_port:
+                    published = (rec.epoch.master_addr, rec.epoch.master_port)
+                created = rec.epoch.created_at.timestamp()
+                gang = GangRun.restore(
+                    job_id,
+                    rec.epoch.number,
+                    path,
+                    JobState(rec.job.state),
+                    [
+                        MemberSnapshot(
+                            worker=m.worker_id,
+                            state=MemberState(m.state),
+                            exit_code=m.exit_code,
+                            outputs=True if m.node_rank in rec.outputs_stored else None,
+                            released=MemberState(m.state).is_terminal,
+                            assigned=m.assigned_at is not None,
+                        )
+                        for m in rec.members
+                    ],
+                    master_addr=gang_addressing(path, inventories, 0).master_addr,
+                    port=spec.gang.rendezvous.port,
+                    published=published,
+                    timeout=spec.timeout or None,
+                    deadline=created + spec.timeout if spec.timeout else None,
+                )
+                entry = RunEntry(gang, spec, inventories, rec.job.bundle_sha256)
+                if published is not None:
+                    entry.addressing = gang_addressing(path, inventories, published[1])
+                self.runs[job_id] = entry
+                self.logs.note_senders(job_id, [m.worker_id for m in rec.members])
+                await self._step(entry, ControllerRestarted(now + self.restart_grace))
+                log.info(
+                    "job %s: held for %.0fs while its agents dial back",
+                    job_id,
+                    self.restart_grace,
+                )
 
     # ---- frames from agents --------------------------------------------------------------
 
@@ -229,187 +388,90 @@ class Controller:
         body = frame.body
         kind = frame.kind
         if kind is Kind.HEARTBEAT:
-            await link.send(Kind.HEARTBEAT_ACK, {"stop": self._stops_for(link.worker_id)})
+            stops = [e.gang.job for e in self.runs.values() if e.gang.must_stop(link.worker_id)]
+            await link.send(Kind.HEARTBEAT_ACK, {"stop": stops})
         elif kind is Kind.LOGS:
             await self.logs.put(link, body)
         elif kind is Kind.INVENTORY:
-            await self._inventory(link, body)
+            async with self.lock:
+                await self._inventory(link, body)
         else:
             async with self.lock:
-                run = self.runs.get(str(body.get("job")))
-                if run is None or body.get("epoch") != run.epoch:
-                    if kind in (Kind.RENDEZVOUS_READY, Kind.MEMBER_STARTED):
-                        await link.send(Kind.STOP, {"job": body.get("job"), "reason": "stale"})
-                    elif kind is Kind.MEMBER_EXITED:
-                        # The member of a job no longer tracked is gone: its worker is free.
-                        await self.db(
-                            self.store.release_worker, link.worker_id, str(body.get("job"))
-                        )
-                        self.request_pass()
-                    return
-                node = run.node_of(link.worker_id)
-                if node is None or node != body.get("node_rank", node):
-                    return
-                if kind is Kind.RENDEZVOUS_READY and node == 0:
-                    await self._published(run, str(body["addr"]), int(body["port"]))
-                elif kind is Kind.MEMBER_STARTED:
-                    await self._member_started(run, node)
-                elif kind is Kind.MEMBER_EXITED:
-                    await self._member_exited(run, node, body)
-                elif kind is Kind.ARTIFACTS_DONE:
-                    await self._outputs_stored(run, node, body)
+                await self._member_frame(link, kind, body)
 
-    def _stops_for(self, worker_id: str) -> list[str]:
-        return [
-            run.job_id
-            for run in self.runs.values()
-            if run.over
-            and (node := run.node_of(worker_id)) is not None
-            and node in run.started
-            and node not in run.exited
-        ]
+    async def _member_frame(self, link: Link, kind: Kind, body: dict[str, Any]) -> None:
+        job = str(body.get("job"))
+        entry = self.runs.get(job)
+        if entry is None or body.get("epoch") != entry.gang.epoch:
+            if kind in (Kind.RENDEZVOUS_READY, Kind.MEMBER_STARTED):
+                await link.send(Kind.STOP, {"job": job, "reason": "stale"})
+            elif kind is Kind.MEMBER_EXITED:
+                # The member of a run no longer tracked is gone: its worker is free.
+                await self.db(self.store.release_worker, link.worker_id, job)
+                self.request_pass()
+            return
+        node = entry.gang.node_of(link.worker_id)
+        if node is None or node != body.get("node_rank", node):
+            return
+        event: Event
+        if kind is Kind.RENDEZVOUS_READY:
+            event = PortPublished(node, str(body["addr"]), int(body["port"]))
+        elif kind is Kind.MEMBER_STARTED:
+            event = MemberStarted(node)
+        elif kind is Kind.MEMBER_EXITED:
+            event = _exited(node, body)
+        elif kind is Kind.ARTIFACTS_DONE:
+            errors = tuple(str(e) for e in body.get("errors") or [])
+            if not errors:  # remembered for a restart (GangRun.restore's outputs)
+                await self.db(
+                    self.store.record_event,
+                    "OutputsStored",
+                    f"node{node} stored {len(body.get('files') or [])} output file(s)",
+                    job=job,
+                    data={"node": node, "epoch": entry.gang.epoch},
+                )
+            event = OutputsStored(node, ok=not errors, errors=errors)
+        else:
+            return
+        await self._step(entry, event)
 
     async def _inventory(self, link: Link, body: dict[str, Any]) -> None:
         inventory = WorkerInventory.model_validate(body["inventory"], strict=False)
         if inventory.id != link.worker_id:
             await link.send(Kind.ERROR, {"message": "inventory id differs from the link's"})
             return
-        running = [str(j) for j in body.get("running", [])]
-        # A worker still running a member (of a job that is over: it is told to stop) is
-        # not idle until its agent reports that member gone, in a later INVENTORY.
-        stale = [j for j in running if (r := self.runs.get(j)) is None or r.over]
-        await self.db(self.store.upsert_worker, inventory, draining=bool(stale))
-        for job_id in stale:
-            await link.send(Kind.STOP, {"job": job_id, "reason": "the job is not running"})
-        self.request_pass()
-
-    async def _published(self, run: GangRun, addr: str, port: int) -> None:
-        await self.db(self.store.set_epoch_rendezvous, run.job_id, run.epoch, addr, port)
-        await self.db(
-            self.store.record_event,
-            "RendezvousPublished",
-            f"node0 published {addr}:{port}",
-            job=run.job_id,
-            data={"addr": addr, "port": port},
+        worker = link.worker_id
+        reports = tuple(_report(r) for r in body.get("members") or [])
+        # Members of jobs this controller does not track (or of an older epoch) that still
+        # run are told to stop; the worker stays busy until an inventory without them.
+        stale = [
+            r
+            for r in reports
+            if r.exit_code is None
+            and ((e := self.runs.get(r.job)) is None or e.gang.epoch != r.epoch)
+        ]
+        held_by = next(
+            (
+                e.gang.job
+                for e in self.runs.values()
+                if (n := e.gang.node_of(worker)) is not None and not e.gang.members[n].released
+            ),
+            None,
         )
-        run.addressing = gang_addressing(run.path, run.inventories, port)
-        for node, worker_id in enumerate(run.workers):
-            link = self.links.get(worker_id)
-            assignment = {
-                "job": run.job_id,
-                "epoch": run.epoch,
-                "node_rank": node,
-                "spec": run.spec.model_dump(mode="json"),
-                "path": run.path.value,
-                "addresses": list(run.addressing.addresses),
-                "interfaces": list(run.addressing.interfaces),
-                "master_port": port,
-                "bundle": run.bundle,
-            }
-            if link is None or not await link.send(Kind.ASSIGN, assignment):
-                await self._fail(run, f"node{node} (worker {worker_id}) was lost before start")
-                return
-            await self.db(
-                self.store.set_member_state,
-                run.job_id,
-                node,
-                MemberState.ASSIGNED,
-                path_address=run.addressing.addresses[node],
-            )
-            await self.db(
-                self.store.record_event,
-                "Assigned",
-                f"node{node} (worker {worker_id}) assigned",
-                job=run.job_id,
-                data={"node": node, "worker": worker_id},
-            )
-
-    async def _member_started(self, run: GangRun, node: int) -> None:
-        run.started.add(node)
-        if run.over:
-            return
-        await self.db(self.store.set_member_state, run.job_id, node, MemberState.STARTING)
-        await self.db(self.store.set_member_state, run.job_id, node, MemberState.RUNNING)
-        if len(run.started) == len(run.workers):
-            await self.db(
-                self.store.set_job_state,
-                run.job_id,
-                JobState.RUNNING,
-                f"all {len(run.workers)} nodes started",
-            )
-
-    async def _member_exited(self, run: GangRun, node: int, body: dict[str, Any]) -> None:
-        code = int(body.get("exit_code", 1))
-        run.exited[node] = code
-        signal = body.get("signal")
-        state = MemberState.SUCCEEDED if code == 0 else MemberState.FAILED
-        if run.over and code != 0:
-            state = MemberState.CANCELLED if signal else MemberState.FAILED
-        await self.db(
-            self.store.set_member_state, run.job_id, node, state, exit_code=code, signal=signal
-        )
-        if code != 0 and not run.over:
-            await self._fail(run, _root_cause(run, node, body))
-        elif run.over:
-            self._forget_if_done(run)
-        await self._maybe_succeed(run)
+        await self.db(self.store.upsert_worker, inventory, held_by=held_by, draining=bool(stale))
+        for report in stale:
+            order = {"job": report.job, "epoch": report.epoch, "node_rank": report.node}
+            await link.send(Kind.STOP, {**order, "reason": "the job is not running"})
+        if not link.reported:
+            # The first inventory of a link says what the agent still holds: the runs that
+            # counted this worker lost (or unconfirmed after a restart) hear it is back.
+            link.reported = True
+            for entry in list(self.runs.values()):
+                if worker in entry.gang.workers:
+                    await self._step(entry, LinkBack(worker, reports))
         self.request_pass()
 
-    async def _outputs_stored(self, run: GangRun, node: int, body: dict[str, Any]) -> None:
-        """The member's outputs went up; an upload that failed fails the job."""
-        errors = [str(e) for e in body.get("errors") or []]
-        if errors and not run.over:
-            shown = "\n".join(f"  {e}" for e in errors[:20])
-            more = f"\n  ... and {len(errors) - 20} more" if len(errors) > 20 else ""
-            await self._fail(
-                run,
-                f"node{node} (worker {run.workers[node]}) could not upload "
-                f"{len(errors)} output file(s); they stay in the agent's work dir:\n"
-                f"{shown}{more}",
-            )
-            return
-        run.uploaded.add(node)
-        await self._maybe_succeed(run)
-
-    async def _maybe_succeed(self, run: GangRun) -> None:
-        everyone = set(range(len(run.workers)))
-        if run.over:
-            self._forget_if_done(run)
-            return
-        if (
-            set(run.exited) == everyone
-            and all(c == 0 for c in run.exited.values())
-            and run.uploaded >= everyone
-        ):
-            run.over = True
-            await self.db(
-                self.store.set_job_state,
-                run.job_id,
-                JobState.SUCCEEDED,
-                f"all {len(run.workers)} nodes exited 0",
-            )
-            self._forget_if_done(run)
-            self.request_pass()
-
-    def _forget_if_done(self, run: GangRun) -> None:
-        if all(n in run.exited or n not in run.started for n in range(len(run.workers))):
-            self.runs.pop(run.job_id, None)
-
-    # ---- failure, cancel, loss -----------------------------------------------------------
-
-    async def _fail(self, run: GangRun, cause: str, state: JobState = JobState.FAILED) -> None:
-        """Fail (or cancel) the job: stop running members now, cancel the rest."""
-        if run.over:
-            return
-        run.over = True
-        await self.db(self.store.set_job_state, run.job_id, state, cause)
-        for node, worker_id in enumerate(run.workers):
-            # Running members stop now; assigned ones must never start.
-            link = self.links.get(worker_id)
-            if node not in run.exited and link is not None:
-                await link.send(Kind.STOP, _stop_order(run, node, cause))
-        self._forget_if_done(run)
-        self.request_pass()
+    # ---- cancel, links -------------------------------------------------------------------
 
     async def cancel(self, job_id: str) -> None:
         async with self.lock:
@@ -417,9 +479,9 @@ class Controller:
             state = JobState(job.state)
             if state.is_terminal:
                 raise BadRequest(f"job {job_id} already {state.value}; nothing to cancel")
-            run = self.runs.get(job_id)
-            if run is not None:
-                await self._fail(run, "cancelled by the user", JobState.CANCELLED)
+            entry = self.runs.get(job_id)
+            if entry is not None:
+                await self._step(entry, Cancel("cancelled by the user"))
             else:
                 await self.db(
                     self.store.set_job_state, job_id, JobState.CANCELLED, "cancelled by the user"
@@ -436,58 +498,52 @@ class Controller:
     async def link_down(self, link: Link, why: str, *, controller_exiting: bool = False) -> None:
         """The link's EOF (or silence) is the host's exit: its members are lost.
 
-        When the controller itself is stopping, the jobs are left as they are: the next
-        start fails them with that reason (see create_app).
+        When the controller itself is stopping, the runs are left as they are: the next
+        start rebuilds them and waits for the agents to dial back (restore_runs).
         """
         if self.links.get(link.worker_id) is not link:
             return
         del self.links[link.worker_id]
         self.tickets.revoke(link.ticket)
         self.metrics.agents.set(len(self.links))
+        if controller_exiting:
+            return
         async with self.lock:
             await self.db(self.store.set_worker_state, link.worker_id, WorkerState.OFFLINE)
             await self.db(self.store.record_event, "WorkerLost", why, worker=link.worker_id)
-            if controller_exiting:
-                return
-            for run in list(self.runs.values()):
-                node = run.node_of(link.worker_id)
-                if node is None:
-                    continue
-                if node in run.exited:
-                    if run.over or node in run.uploaded or run.exited[node] != 0:
-                        continue
-                    # It exited 0, but its outputs never arrived: the job cannot succeed.
-                    await self._fail(
-                        run,
-                        f"node{node} (worker {link.worker_id}) was lost before its outputs "
-                        f"were stored: {why}",
-                    )
-                    continue
-                run.exited[node] = -1
-                await self.db(self.store.set_member_state, run.job_id, node, MemberState.LOST)
-                await self._fail(run, f"node{node} (worker {link.worker_id}) was lost: {why}")
-                self._forget_if_done(run)
+            for entry in list(self.runs.values()):
+                if link.worker_id in entry.gang.workers:
+                    await self._step(entry, LinkLost(link.worker_id, why))
         self.request_pass()
 
 
-def _stop_order(run: GangRun, node: int, reason: str) -> dict[str, Any]:
-    return {"job": run.job_id, "epoch": run.epoch, "node_rank": node, "reason": reason}
+def _exited(node: int, body: dict[str, Any]) -> MemberExited:
+    def number(key: str) -> int | None:
+        value = body.get(key)
+        return int(value) if value is not None else None
+
+    return MemberExited(
+        node=node,
+        exit_code=int(body.get("exit_code", 1)),
+        signal=str(body["signal"]) if body.get("signal") else None,
+        failed_rank=number("failed_rank"),
+        failed_exit=number("failed_exit"),
+        tail=tuple(str(line) for line in body.get("tail") or []),
+    )
+
+
+def _report(raw: dict[str, Any]) -> MemberReport:
+    code = raw.get("exit_code")
+    seq = raw.get("last_log_seq")
+    return MemberReport(
+        job=str(raw["job"]),
+        epoch=int(raw["epoch"]),
+        node=int(raw["node_rank"]),
+        exit_code=int(code) if code is not None else None,
+        signal=str(raw["signal"]) if raw.get("signal") else None,
+        last_log_seq=int(seq) if seq is not None else None,
+    )
 
 
 def _first_line(exc: Exception) -> str:
     return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-
-
-def _root_cause(run: GangRun, node: int, body: dict[str, Any]) -> str:
-    worker = run.workers[node]
-    rank = body.get("failed_rank")
-    code = body.get("failed_exit", body.get("exit_code"))
-    signal = body.get("signal")
-    who = f"global rank {rank}" if rank is not None else "torchrun"
-    how = f"was killed by {signal}" if signal else f"exited with code {code}"
-    cause = f"node{node} (worker {worker}): {who} {how}"
-    tail = [str(line) for line in body.get("tail", [])][-20:]
-    if tail:
-        label = f"rank {rank}" if rank is not None else f"node{node}"
-        cause += f"\nlast lines of {label}:\n" + "\n".join(f"  {line}" for line in tail)
-    return cause

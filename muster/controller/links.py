@@ -39,6 +39,7 @@ class Link:
         self.last_seen = time.monotonic()
         self.closed = False
         self.close_code: int | None = None
+        self.reported = False  # its first INVENTORY (what the agent still runs) was handled
         self._send_lock = asyncio.Lock()
 
     async def send(self, kind: Kind, body: dict[str, Any], timeout: float = SEND_TIMEOUT_S) -> bool:

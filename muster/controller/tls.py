@@ -72,19 +72,19 @@ def controller_certificate(
             fingerprint(cert_pem)
         except (OSError, ValueError) as exc:
             raise UserError(f"--tls-cert {cert_file}: not a readable PEM certificate") from exc
-        store.put_setting("tls_cert", cert_pem)
-        store.put_setting("tls_key", key_pem)
+        store.put_settings({"tls_cert": cert_pem, "tls_key": key_pem})
         return cert_pem, key_pem
     hosts = ["localhost", "127.0.0.1", socket.gethostname()]
-    made: dict[str, str] = {}
+    if (cert := store.get_setting("tls_cert")) and (key := store.get_setting("tls_key")):
+        return cert, key
 
-    def cert() -> str:
-        made["cert"], made["key"] = make_self_signed(hosts)
-        return made["cert"]
+    def make() -> dict[str, str]:
+        cert_pem, key_pem = make_self_signed(hosts)
+        return {"tls_cert": cert_pem, "tls_key": key_pem}
 
-    cert_pem = store.setting("tls_cert", cert)
-    key_pem = store.setting("tls_key", lambda: made["key"])
-    return cert_pem, key_pem
+    # The certificate and its key are written in one transaction: never one without the other.
+    pair = store.setting_group(make)
+    return pair["tls_cert"], pair["tls_key"]
 
 
 def write_pem_files(directory: Path, cert_pem: str, key_pem: str) -> tuple[Path, Path]:

@@ -11,6 +11,7 @@ from muster.gang.actions import (
     SetMemberState,
     SetRendezvous,
 )
+from muster.gang.causes import root_cause, upload_cause
 from muster.gang.events import (
     Cancel,
     ControllerRestarted,
@@ -25,7 +26,7 @@ from muster.gang.events import (
     PortPublished,
     Tick,
 )
-from muster.gang.lifecycle import root_cause, step
+from muster.gang.lifecycle import step
 from muster.gang.run import (
     GANG_TERMINAL,
     GANG_TRANSITIONS,
@@ -65,4 +66,5 @@ __all__ = [
     "Tick",
     "root_cause",
     "step",
+    "upload_cause",
 ]

@@ -40,6 +40,7 @@ from muster.gang.actions import (
     SetMemberState,
     SetRendezvous,
 )
+from muster.gang.causes import root_cause, upload_cause
 from muster.gang.events import (
     Cancel,
     ControllerRestarted,
@@ -88,20 +89,6 @@ def step(run: GangRun, event: Event, now: float) -> tuple[GangRun, tuple[Action,
     elif isinstance(event, ControllerRestarted):
         _restarted(turn, event)
     return turn.run, tuple(turn.actions)
-
-
-def root_cause(node: int, worker: str, exited: MemberExited) -> str:
-    """The job's root cause for a member that exited non-zero (the text users see)."""
-    rank = exited.failed_rank
-    code = exited.failed_exit if exited.failed_exit is not None else exited.exit_code
-    who = f"global rank {rank}" if rank is not None else "torchrun"
-    how = f"was killed by {exited.signal}" if exited.signal else f"exited with code {code}"
-    cause = f"node{node} (worker {worker}): {who} {how}"
-    tail = [str(line) for line in exited.tail][-20:]
-    if tail:
-        label = f"rank {rank}" if rank is not None else f"node{node}"
-        cause += f"\nlast lines of {label}:\n" + "\n".join(f"  {line}" for line in tail)
-    return cause
 
 
 class _Turn:
@@ -271,8 +258,7 @@ def _outputs_stored(turn: _Turn, event: OutputsStored) -> None:
     if event.ok:
         _maybe_succeed(turn)
         return
-    errors = "; ".join(event.errors) or "no detail"
-    cause = f"node{member.node} (worker {member.worker}): outputs failed to upload: {errors}"
+    cause = upload_cause(member.node, member.worker, event.errors)
     if not turn.run.is_over:
         _fail(turn, JobState.FAILED, cause)
     else:

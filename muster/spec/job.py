@@ -18,6 +18,12 @@ Device = Literal["cpu", "cuda", "mps"]
 Backend = Literal["gloo", "nccl"]
 Membership = Literal["pool", "window"]
 
+# Bounds that keep a spec inside what the store's columns hold and what a rank plan can
+# list: priority is a 32-bit column; a gang's plan has one entry per node.
+INT32 = 2**31
+MAX_WORKERS = 10_000
+MAX_PROCS_PER_WORKER = 1_024
+
 _DURATION = re.compile(r"^(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?$")
 
 
@@ -68,8 +74,10 @@ class Rendezvous(_Model):
 class Distributed(_Model):
     """How the job spreads over machines (seed 001)."""
 
-    num_workers: int = Field(ge=1, description="nodes in the gang")
-    procs_per_worker: int = Field(default=1, ge=1, description="torchrun processes per node")
+    num_workers: int = Field(ge=1, le=MAX_WORKERS, description="nodes in the gang")
+    procs_per_worker: int = Field(
+        default=1, ge=1, le=MAX_PROCS_PER_WORKER, description="torchrun processes per node"
+    )
     backend: Backend | None = Field(
         default=None, description="gloo or nccl; defaults to nccl on cuda, else gloo"
     )
@@ -97,7 +105,7 @@ class JobSpec(_Model):
         description="directory (relative to the run dir) exported as MUSTER_OUTPUT_DIR, uploaded",
     )
     timeout: Seconds | None = Field(default=None, description="seconds, or '30m', '2h'")
-    priority: int = 0
+    priority: int = Field(default=0, ge=-INT32, lt=INT32)
     labels: dict[str, str] = Field(default_factory=dict)
     retries: int = Field(default=0, ge=0)
     resources: Resources = Field(default_factory=Resources)

@@ -74,6 +74,9 @@ def read_yaml(path: str | Path) -> object:
         text = p.read_text(encoding="utf-8")
     except OSError as exc:
         raise SpecError([FieldError("", f"cannot read {p}: {exc.strerror}")], str(p)) from exc
+    except UnicodeDecodeError as exc:
+        problem = f"byte {exc.start} is not UTF-8; save the file as UTF-8"
+        raise SpecError([FieldError("", problem)], str(p)) from None
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -81,6 +84,14 @@ def read_yaml(path: str | Path) -> object:
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc)
         raise SpecError([FieldError("", f"not valid YAML{where}: {problem}")], str(p)) from exc
+    except ValueError as exc:
+        # A scalar YAML resolves but cannot build: a date like 2001-13-45, an !!int that
+        # is no number, an integer of thousands of digits. Quoting it makes it a string.
+        problem = f"a value YAML cannot read ({exc}); quote it to make it a string"
+        raise SpecError([FieldError("", problem)], str(p)) from None
+    except RecursionError:
+        problem = "nested too deeply for YAML to read; flatten it"
+        raise SpecError([FieldError("", problem)], str(p)) from None
 
 
 def parse_model(model: type[M], data: object, source: str) -> M:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import func, select, update
@@ -30,6 +31,7 @@ from muster.spec.states import (
 )
 from muster.store.base import Repository, add_event, load_job, utcnow
 from muster.store.models import (
+    Event,
     GangEpoch,
     Job,
     Member,
@@ -111,21 +113,10 @@ class JobRepository(Repository):
             if new is JobState.RUNNING:
                 job.started_at = now
             if new.is_terminal:
+                # Members and workers are the gang lifecycle's to move (muster.gang): it
+                # cancels the unstarted members and releases each worker when its
+                # member's processes are known gone.
                 job.finished_at = now
-                # Members that never started are cancelled. A pending one was never told
-                # to run anything: its worker goes back now. An assigned one may be
-                # starting torchrun this very moment: its worker stays held until its
-                # agent answers the STOP (release_worker), like a started member's.
-                unstarted = s.scalars(
-                    select(Member).where(
-                        Member.job_id == job_id,
-                        Member.state.in_([MemberState.PENDING.value, MemberState.ASSIGNED.value]),
-                    )
-                ).all()
-                for member in unstarted:
-                    if member.state == MemberState.PENDING.value:
-                        _release(s, member.worker_id, job_id)
-                    member.state, member.finished_at = MemberState.CANCELLED.value, now
             if new is JobState.FAILED and message:
                 job.root_cause = message
             add_event(
@@ -252,17 +243,38 @@ class JobRepository(Repository):
                 )
             )
 
-    def fail_active_jobs(self, cause: str) -> list[str]:
-        """Fail every job caught mid-run (a controller restart): members become lost."""
+    def active_runs(self) -> list[RunRecord]:
+        """Every job caught mid-run, as the store holds it: for rebuilding gang runs after
+        a controller restart."""
         active = [JobState.PLACING, JobState.NETWORKING, JobState.RENDEZVOUS, JobState.RUNNING]
-        failed = []
-        for job in self.jobs(active):
-            for member in self.members(job.id):
-                if not MemberState(member.state).is_terminal:
-                    self.set_member_state(job.id, member.node_rank, MemberState.LOST)
-            self.set_job_state(job.id, JobState.FAILED, cause)
-            failed.append(job.id)
-        return failed
+        records = []
+        with self.db.read() as s:
+            jobs = s.scalars(
+                select(Job).where(Job.state.in_([a.value for a in active])).order_by(Job.seq)
+            ).all()
+            for job in jobs:
+                epoch = s.scalars(
+                    select(GangEpoch)
+                    .where(GangEpoch.job_id == job.id)
+                    .order_by(GangEpoch.number.desc())
+                    .limit(1)
+                ).first()
+                if epoch is None:
+                    continue
+                members = list(
+                    s.scalars(
+                        select(Member).where(Member.epoch_id == epoch.id).order_by(Member.node_rank)
+                    )
+                )
+                stored = {
+                    int(e.data.get("node", -1))
+                    for e in s.scalars(
+                        select(Event).where(Event.job_id == job.id, Event.kind == "OutputsStored")
+                    )
+                    if isinstance(e.data, dict) and e.data.get("epoch") == epoch.number
+                }
+                records.append(RunRecord(job, epoch, members, stored))
+        return records
 
     def set_epoch_rendezvous(self, job_id: str, epoch_number: int, addr: str, port: int) -> None:
         """Record node 0's published rendezvous address on the epoch."""
@@ -296,10 +308,6 @@ class JobRepository(Repository):
             ).one()
             current = MemberState(member.state)
             if current.is_terminal:
-                if state.is_terminal:
-                    # The agent's own exit report for a member already ended (cancelled
-                    # while being assigned): now its processes are gone, free the worker.
-                    _release(s, member.worker_id, job_id)
                 return member
             check_member_transition(current, state)
             member.state = state.value
@@ -320,7 +328,6 @@ class JobRepository(Repository):
                 )
             if state.is_terminal:
                 member.finished_at = now
-                _release(s, member.worker_id, job_id)
             return member
 
     def release_worker(self, worker_id: str, job_id: str) -> None:
@@ -348,6 +355,16 @@ def _why_pending_changes(
 def _chunks(items: Sequence[str], size: int) -> Iterator[Sequence[str]]:
     for start in range(0, len(items), size):
         yield items[start : start + size]
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """One active job's latest epoch: its members, and the nodes whose outputs were stored."""
+
+    job: Job
+    epoch: GangEpoch
+    members: list[Member]
+    outputs_stored: set[int]
 
 
 def _release(s: Session, worker_id: str, job_id: str) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from sqlalchemy import select
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError, IntegrityError
 
-from muster.errors import BadRequest
+from muster.errors import BadRequest, StoreUnavailable
 from muster.store.base import Repository, add_event, utcnow
 from muster.store.models import (
     Artifact,
@@ -36,6 +37,8 @@ from muster.store.models import (
     LogLine,
     Setting,
 )
+
+LEASE_KEY = "controller_lease"  # settings row: who runs the controller on this database
 
 ORIGINS = ("rank", "node")
 STREAMS = ("stdout", "stderr")
@@ -336,6 +339,74 @@ class RecordRepository(Repository):
             if value is None:
                 raise
             return value
+
+    def setting_group(self, make: Callable[[], dict[str, str]]) -> dict[str, str]:
+        """Values that only make sense together (a certificate and its key): stored in one
+        transaction from ``make()`` unless every one of them is there already."""
+        for _attempt in range(2):
+            try:
+                with self.db.transaction() as s:
+                    fresh = make()
+                    rows = {k: s.get(Setting, k) for k in fresh}
+                    if all(row is not None for row in rows.values()):
+                        return {k: row.value for k, row in rows.items() if row is not None}
+                    for key, value in fresh.items():
+                        s.merge(Setting(key=key, value=value))
+                    return fresh
+            except IntegrityError:
+                continue  # another process stored them first: read theirs
+        raise StoreUnavailable("could not store the settings; try again")
+
+    def acquire_lease(
+        self,
+        holder: str,
+        *,
+        now: float,
+        ttl: float,
+        stale: Callable[[dict[str, Any]], bool],
+        info: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any] | None:
+        """Take (or renew) the controller lease: one ``muster server`` per database.
+
+        Returns None when ``holder`` holds it now, or the current holder's record when
+        another live controller does (its lease not expired, and ``stale`` says it is
+        alive). Taken in one transaction, so two starting controllers cannot both win.
+        """
+        record = {**(info or {}), "holder": holder, "expires": now + ttl, "since": now}
+        for _attempt in range(2):
+            try:
+                with self.db.transaction() as s:
+                    row = s.get(Setting, LEASE_KEY, with_for_update=True)
+                    if row is None:
+                        s.add(Setting(key=LEASE_KEY, value=json.dumps(record)))
+                        return None
+                    current = json.loads(row.value)
+                    if (
+                        current.get("holder") != holder
+                        and float(current.get("expires", 0)) > now
+                        and not stale(current)
+                    ):
+                        return dict(current)
+                    if current.get("holder") == holder:
+                        record["since"] = float(current.get("since", now))
+                    row.value = json.dumps(record)
+                    return None
+            except IntegrityError:
+                continue
+        raise StoreUnavailable("could not take the controller lease; try again")
+
+    def release_lease(self, holder: str) -> None:
+        """Give the lease up (a clean stop), if ``holder`` still holds it."""
+        with self.db.transaction() as s:
+            row = s.get(Setting, LEASE_KEY, with_for_update=True)
+            if row is not None and json.loads(row.value).get("holder") == holder:
+                s.delete(row)
+
+    def put_settings(self, values: Mapping[str, str]) -> None:
+        """Store several values in one transaction."""
+        with self.db.transaction() as s:
+            for key, value in values.items():
+                s.merge(Setting(key=key, value=value))
 
     def put_setting(self, key: str, value: str) -> None:
         with self.db.transaction() as s:

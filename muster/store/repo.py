@@ -5,10 +5,11 @@ from __future__ import annotations
 from muster.store.base import LogLineIn, utcnow
 from muster.store.jobs import JobRepository
 from muster.store.records import RecordRepository
+from muster.store.retention import RetentionRepository
 from muster.store.workers import WorkerRepository
 
 
-class Store(WorkerRepository, JobRepository, RecordRepository):
+class Store(WorkerRepository, JobRepository, RecordRepository, RetentionRepository):
     """muster's durable state, over SQLite or PostgreSQL."""
 
 

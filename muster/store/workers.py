@@ -19,12 +19,19 @@ class WorkerRepository(Repository):
     # ---- workers -------------------------------------------------------------------------
 
     def upsert_worker(
-        self, inv: WorkerInventory, now: datetime | None = None, *, draining: bool = False
+        self,
+        inv: WorkerInventory,
+        now: datetime | None = None,
+        *,
+        held_by: str | None = None,
+        draining: bool = False,
     ) -> Worker:
-        """Record an agent's inventory; a new or returning worker becomes idle.
+        """Record an agent's inventory and what the worker is free for.
 
-        ``draining``: the agent still runs a member of a job that is over. The worker is
-        busy (with no job) until an inventory without it says every process is gone.
+        ``held_by``: a job whose member on this worker may still run (the worker stays
+        busy with it); ``draining``: the agent still runs a member of a job that is over
+        (busy, with no job) until an inventory without it says every process is gone.
+        Otherwise the worker is idle.
         """
         now = now or utcnow()
         with self.db.transaction() as s:
@@ -49,12 +56,14 @@ class WorkerRepository(Repository):
                 row.inventory, row.last_seen = data, now
                 if row.state == WorkerState.OFFLINE.value:
                     add_event(s, "WorkerReturned", f"worker {inv.id} is back", worker=inv.id)
-                if row.state == WorkerState.OFFLINE.value or (
-                    row.state == WorkerState.BUSY.value and row.job_id is None
-                ):
-                    row.state = WorkerState.IDLE.value
-            if draining and row.state == WorkerState.IDLE.value:
+            held = (WorkerState.RESERVED.value, WorkerState.BUSY.value)
+            if held_by is not None:
+                if not (row.job_id == held_by and row.state in held):
+                    row.state, row.job_id = WorkerState.BUSY.value, held_by
+            elif draining:
                 row.state, row.job_id = WorkerState.BUSY.value, None
+            elif row.state == WorkerState.OFFLINE.value or row.job_id is None:
+                row.state, row.job_id = WorkerState.IDLE.value, None
             return row
 
     def mark_all_offline(self) -> None:

@@ -17,6 +17,7 @@ from websockets.sync.client import connect
 
 from muster.cli.local import LocalCluster
 from tests.e2e.helpers import (
+    all_lines,
     job_processes,
     submit,
     wait_no_processes,
@@ -124,4 +125,85 @@ def test_pre_auth_garbage_at_volume_leaves_the_listener_serving(tmp_path: Path) 
         # The honest agents were never disturbed, and the listener still serves.
         api = cluster.client()
         job_id = submit(api, write_job(tmp_path / "ok", "after", "print('fine')\n"))
+        assert wait_state(api, job_id)["state"] == "succeeded"
+
+
+COUNTER = """
+import os, time
+rank = int(os.environ["RANK"])
+for i in range(150):
+    print(f"rank={rank} line={i}", flush=True)
+    time.sleep(0.1)
+"""
+
+
+def test_controller_killed_mid_run_and_restarted_the_job_goes_on(tmp_path: Path) -> None:
+    with LocalCluster(agents=2, agent_args=["--persist"]) as cluster:
+        api = cluster.client()
+        job_id = submit(api, write_job(tmp_path / "j", "survivor", COUNTER))
+        wait_state(api, job_id, {"running"}, timeout=90)
+        time.sleep(3)
+        cluster.stop("server", signal.SIGKILL)
+        time.sleep(2)  # the ranks go on printing while no controller listens
+        cluster.start_server()
+        job = wait_state(api, job_id, timeout=120)
+        assert job["state"] == "succeeded", job["root_cause"]
+        lines = [ln for ln in all_lines(api, job_id) if ln["origin"] == "rank"]
+        for rank in range(4):
+            mine = [ln["text"] for ln in lines if ln["rank"] == rank]
+            assert mine == [f"rank={rank} line={i}" for i in range(150)], rank
+        wait_no_processes(cluster, job_id)
+
+
+def test_a_member_that_does_not_dial_back_fails_the_job_after_the_grace(tmp_path: Path) -> None:
+    with LocalCluster(
+        agents=2, agent_args=["--persist"], heartbeat_timeout=4, heartbeat_interval=1
+    ) as cluster:
+        api = cluster.client()
+        job_id = submit(api, write_job(tmp_path / "j", "orphan", SLEEPER))
+        wait_state(api, job_id, {"running"}, timeout=90)
+        cluster.stop("server", signal.SIGKILL)
+        cluster.stop("agent-1", signal.SIGKILL)
+        cluster.start_server()
+        started = time.monotonic()
+        job = wait_state(api, job_id, timeout=60)
+        waited = time.monotonic() - started
+        assert job["state"] == "failed"
+        assert "node1 (worker agent-1) did not dial back within the grace" in job["root_cause"]
+        assert waited < 3 * 4 + 10, waited  # the grace is 3 heartbeat timeouts
+        # agent-0 came back and was told to stop its member; agent-1's ranks died with it.
+        wait_no_processes(cluster, job_id, timeout=40)
+
+
+def test_an_agent_notices_a_wedged_controller_and_dials_back(tmp_path: Path) -> None:
+    """SIGSTOP the controller: the agent drops the silent link within its heartbeat timeout
+    (it does not wait on TCP), and once the controller runs again it is back, although
+    its first re-dial may meet 'already connected' (a persist agent does not exit on it)."""
+    with LocalCluster(
+        agents=1, agent_args=["--persist"], heartbeat_timeout=4, heartbeat_interval=1
+    ) as cluster:
+        server = cluster.procs["server"]
+        os.kill(server.pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        try:
+            log = cluster.log("agent-0")
+            while "no frame from the controller" not in log.read_text():
+                assert time.monotonic() - stopped_at < 20, log.read_text()[-2000:]
+                time.sleep(0.2)
+            noticed = time.monotonic() - stopped_at
+            assert noticed < 4 + 3, noticed
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        cluster.wait_for_workers(1, timeout=90)
+        assert cluster.procs["agent-0"].poll() is None
+        api = cluster.client()
+        job_id = submit(
+            api,
+            write_job(
+                tmp_path / "j",
+                "after",
+                "print('fine')\n",
+                distributed={"num_workers": 1, "procs_per_worker": 1, "backend": "gloo"},
+            ),
+        )
         assert wait_state(api, job_id)["state"] == "succeeded"

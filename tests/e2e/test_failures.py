@@ -161,20 +161,37 @@ def test_controller_restart_keeps_history_and_persistent_agents_return(tmp_path:
 
         cluster.wait_for_workers(2, timeout=60)  # --persist agents dial again
 
-        # A job caught running by a restart fails with that reason; nothing of it survives.
-        caught = submit(api, write_job(tmp_path / "c", "caught", SLEEPER))
+        # A job caught running by a restart goes on once its agents dial back, and its
+        # logs continue with no gap and no duplicate.
+        caught = submit(api, write_job(tmp_path / "c", "caught", COUNTER))
         wait_running(cluster, caught)
+        time.sleep(2)
         cluster.stop("server")
         cluster.start_server()
-        job = api.job(caught)
-        assert job["state"] == "failed"
-        assert "controller restarted" in job["root_cause"]
-        assert {m["state"] for m in job["members"]} == {"lost"}
-        cluster.wait_for_workers(2, timeout=60)
+        job = wait_state(api, caught, timeout=120)
+        assert job["state"] == "succeeded", job["root_cause"]
+        assert_counted(all_lines(api, caught))
+        assert "AwaitingMembers" in [e["kind"] for e in job["events"]]
         wait_no_processes(cluster, caught)
         again = submit(api, write_job(tmp_path / "k", "after", "print('again')\n"))
         assert wait_state(api, again)["state"] == "succeeded"
         wait_no_processes(cluster, again)
+
+
+COUNTER = """
+import os, time
+rank = int(os.environ["RANK"])
+for i in range(120):
+    print(f"rank={rank} line={i}", flush=True)
+    time.sleep(0.1)
+"""
+
+
+def assert_counted(lines: list[dict[str, object]]) -> None:
+    """Every COUNTER line of every rank, once, in order."""
+    for rank in range(4):
+        mine = [ln["text"] for ln in lines if ln["origin"] == "rank" and ln["rank"] == rank]
+        assert mine == [f"rank={rank} line={i}" for i in range(120)], rank
 
 
 def test_tls_with_a_pinned_certificate(tmp_path: Path) -> None:

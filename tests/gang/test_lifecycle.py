@@ -279,7 +279,8 @@ CASES = [
         [
             SetJobState(
                 J.FAILED,
-                "node2 (worker w2): outputs failed to upload: model.pt: disk full; log.txt: gone",
+                "node2 (worker w2) could not upload 2 output file(s); they stay in the agent's "
+                "work dir:\n  model.pt: disk full\n  log.txt: gone",
             )
         ],
         id="running-outputs-fail",
@@ -396,7 +397,8 @@ CASES = [
         [
             RecordEvent(
                 "OutputsFailed",
-                "node0 (worker w0): outputs failed to upload: a: b",
+                "node0 (worker w0) could not upload 1 output file(s); they stay in the agent's "
+                "work dir:\n  a: b",
                 {"node": 0, "errors": ["a: b"]},
             )
         ],

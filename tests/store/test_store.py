@@ -93,21 +93,28 @@ def test_workers_come_back_when_their_members_end(store: Store) -> None:
     assert states["w01"] is WorkerState.RESERVED
     store.set_job_state(job.id, JobState.FAILED, "node0 rank 1 exited with code 1")
     assert store.job(job.id).root_cause == "node0 rank 1 exited with code 1"
+    # The store moves no member and frees no worker on its own: the gang lifecycle
+    # (muster.gang) decides when each member's processes are gone.
     states = {w.id: w.state for w in store.workers()}
-    # Unstarted members are cancelled at once. A pending one (never told to run) frees its
-    # worker now; an assigned one may be spawning torchrun, so its worker is held until its
-    # agent reports the member gone, as the running one's is.
     assert states == {
         "w00": WorkerState.BUSY,
         "w01": WorkerState.RESERVED,
-        "w02": WorkerState.IDLE,
+        "w02": WorkerState.RESERVED,
     }
-    assert [m.state for m in store.members(job.id)] == ["running", "cancelled", "cancelled"]
     store.set_member_state(job.id, 0, MemberState.FAILED, exit_code=-15, signal="SIGTERM")
     store.set_member_state(job.id, 1, MemberState.CANCELLED, exit_code=143, signal="SIGTERM")
+    store.set_member_state(job.id, 2, MemberState.CANCELLED)
+    assert {w.state for w in store.workers()} == {WorkerState.BUSY, WorkerState.RESERVED}
+    for wid in ids:
+        store.release_worker(wid, job.id)
     assert {w.state for w in store.workers()} == {WorkerState.IDLE}
+    assert [m.state for m in store.members(job.id)] == ["failed", "cancelled", "cancelled"]
     assert store.members(job.id)[0].signal == "SIGTERM"
-    assert store.members(job.id)[1].state == "cancelled"
+    # Releasing for another job changes nothing.
+    job2 = store.submit_job(gang(1))
+    store.reserve_placement(job2.id, ids[:1], "private")
+    store.release_worker(ids[0], job.id)
+    assert {w.id: w.state for w in store.workers()}["w00"] is WorkerState.RESERVED
 
 
 def test_settings_are_created_once(store: Store) -> None:
