@@ -76,6 +76,9 @@ class Kind(IntEnum):
     # C->A, kill the member's process tree (or never start it): {job, epoch, node_rank,
     # reason}; an agent without that member answers MEMBER_EXITED {..., absent: true}
     STOP = 26
+    # C->A, a MEMBER_EXITED or ARTIFACTS_DONE was handled: {job, epoch, node_rank, report:
+    # the kind's number}; the agent sends a report again on each new link until acked
+    REPORT_ACK = 27
     LOGS = 30  # A->C: {job, batch, lines: [[origin, rank, seq, time, stream, text], ...]}
     LOGS_ACK = 31  # C->A, batch stored: {job, batch}
     ERROR = 40  # C->A, the controller refuses something: {message}

@@ -2,7 +2,7 @@
 
 The link's EOF is this host's exit as the controller sees it; heartbeats every few seconds
 catch a link that hangs without closing. With ``persist`` the agent dials again after a
-lost link, backing off 5 s doubling to 60 s, forever.
+lost link, backing off 2 s doubling to 15 s (with jitter), forever.
 """
 
 from __future__ import annotations
@@ -10,12 +10,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import signal
 import socket
 import ssl
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -69,7 +70,9 @@ class AgentConfig:
     fingerprint: str | None = None  # sha256 of the controller's certificate, from the token
     persist: bool = False
     grace: float = 10.0
-    backoff: tuple[float, float] = (5.0, 60.0)
+    # Re-dial backoff: doubling from the first to the second, with +-20% jitter. The most
+    # stays well under the controller's restart grace (3 heartbeat timeouts, 45 s).
+    backoff: tuple[float, float] = (2.0, 15.0)
     # How long the member watchdogs let this agent go without a beat before they end the
     # members' process trees themselves (an agent stopped by SIGSTOP, or wedged).
     watchdog_timeout: float = 30.0
@@ -126,6 +129,7 @@ class Agent:
         self.welcomed = False
         self.inventory: WorkerInventory | None = None
         self.link_up = asyncio.Event()
+        self._background: set[asyncio.Task[None]] = set()
         self.alive_file = config.work_dir / ".agent-alive"
 
     # ---- dialing -------------------------------------------------------------------------
@@ -209,8 +213,9 @@ class Agent:
                 log.error("control link ended: %s", reason)
                 await self._stop_all("the control link ended")
                 return 1
-            log.warning("control link ended (%s); dialing again in %.0fs", reason, delay)
-            await asyncio.sleep(delay)
+            wait = delay * random.uniform(0.8, 1.2)
+            log.warning("control link ended (%s); dialing again in %.0fs", reason, wait)
+            await asyncio.sleep(wait)
             delay = min(delay * 2, self.config.backoff[1])
 
     def _ws_url(self) -> str:
@@ -261,6 +266,8 @@ class Agent:
                 ) from exc
             except FrameRefused as exc:
                 raise AuthRefused(f"the controller's answer failed its check: {exc}") from exc
+            if welcome.kind is Kind.ERROR:  # say, this name is still connected
+                raise LinkRefused(f"the controller refused: {welcome.body.get('message')}")
             if welcome.kind is not Kind.WELCOME or not wire.proofs_match(
                 str(welcome.body.get("proof", "")),
                 wire.server_proof(self.config.token, cnonce, anonce),
@@ -332,10 +339,14 @@ class Agent:
         )
 
     async def _forget_settled(self) -> None:
+        forgot = False
         for job, member in list(self.members.items()):
             if member.settled:
                 del self.members[job]
                 await member.http.aclose()
+                forgot = True
+        if forgot:
+            await self._send_inventory()
 
     async def _heartbeats(self) -> None:
         """Beat every interval; a controller silent past its heartbeat timeout (every beat
@@ -371,20 +382,33 @@ class Agent:
 
     async def _on_frame(self, frame: Frame) -> None:
         body = frame.body
-        if frame.kind is Kind.LOGS_ACK:
+        if frame.kind is Kind.REPORT_ACK:
+            member = self.members.get(str(body.get("job")))
+            if member is not None and body.get("epoch") == member.epoch:
+                member.acked(Kind(int(body.get("report", 0))))
+                await self._forget_settled()
+        elif frame.kind is Kind.LOGS_ACK:
             self.shipper.unacked.pop(int(body.get("batch") or 0), None)
             self._acked.set()
         elif frame.kind is Kind.HEARTBEAT_ACK:
             for job in body.get("stop", []):
-                await self._stop(str(job), "the job ended (heartbeat)")
+                self._in_background(self._stop(str(job), "the job ended (heartbeat)"))
         elif frame.kind is Kind.PREPARE_RENDEZVOUS:
             await self._prepare(body)
         elif frame.kind is Kind.ASSIGN:
             self._start(body)
         elif frame.kind is Kind.STOP:
-            await self._stop(str(body.get("job")), str(body.get("reason", "stopped")), body)
+            # A stop takes up to the grace: never in the reader, which must go on reading.
+            self._in_background(
+                self._stop(str(body.get("job")), str(body.get("reason", "stopped")), body)
+            )
         elif frame.kind is Kind.ERROR:
             raise LinkRefused(f"the controller refused: {body.get('message')}")
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _prepare(self, body: dict[str, Any]) -> None:
         addr = str(body["addr"])
@@ -449,13 +473,11 @@ class Agent:
                     {**member.ids(), "exit_code": 1, "tail": [f"muster agent error: {exc}"]},
                 )
             finally:
-                if not member.unsent:
-                    # Every process of the member is gone and the controller knows: forget
-                    # it (say so, so the worker can be freed). Otherwise it stays until the
-                    # next link carries its reports.
-                    await http.aclose()
-                    self.members.pop(job, None)
-                    await self._send_inventory()
+                member.finished = True
+                # Every process of the member is gone. Once the controller has acked its
+                # reports the agent forgets it (and says so, so the worker is freed);
+                # until then it stays, and the next link carries them again.
+                await self._forget_settled()
 
         member.task = asyncio.create_task(run())
 

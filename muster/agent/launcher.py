@@ -94,8 +94,10 @@ class MemberRun:
         self.may_read = may_read
         self.exit_code: int | None = None  # set once torchrun (or the set-up) has ended
         self.signal: str | None = None
-        # Reports that found no link (the controller was away): sent again on the next one.
-        self.unsent: list[tuple[Kind, dict[str, Any]]] = []
+        # Reports (MEMBER_EXITED, ARTIFACTS_DONE) the controller has not acked yet: sent
+        # again on every new link until it does (REPORT_ACK), so none is lost in flight.
+        self.unacked: dict[Kind, dict[str, Any]] = {}
+        self.finished = False  # run() has returned: no process of the member is left
 
     def ids(self) -> dict[str, Any]:
         return {"job": self.job, "epoch": self.epoch, "node_rank": self.node}
@@ -159,6 +161,9 @@ class MemberRun:
             if self.may_read():  # else the lines wait in the rank files on disk
                 tailer.poll()
             await asyncio.wait([wait], timeout=POLL_S)
+        # torchrun is gone; a rank it left behind (torchrun killed by the OOM killer, say)
+        # still holds its GPU: end the rest of its process group before reporting the exit.
+        await asyncio.to_thread(sweep_group, self.proc.pid, self.grace)
         await asyncio.gather(*pumps, return_exceptions=True)
         reaper.cancel()
         tailer.poll(final=True)
@@ -210,20 +215,22 @@ class MemberRun:
         await self.report(Kind.MEMBER_EXITED, {**self.ids(), **details})
 
     async def report(self, kind: Kind, body: dict[str, Any]) -> None:
-        """Send a report the controller must get; kept for the next link if none is up."""
-        if not await self.send(kind, body):
-            self.unsent.append((kind, body))
+        """Send a report the controller must get; it is kept until acked (REPORT_ACK)."""
+        self.unacked[kind] = body
+        await self.send(kind, body)
 
     async def resend(self) -> None:
-        """On a new link: the reports the last one missed, in their order."""
-        unsent, self.unsent = self.unsent, []
-        for kind, body in unsent:
-            await self.report(kind, body)
+        """On a new link: the reports not acked yet, in their order."""
+        for kind, body in list(self.unacked.items()):
+            await self.send(kind, body)
+
+    def acked(self, kind: Kind) -> None:
+        self.unacked.pop(kind, None)
 
     @property
     def settled(self) -> bool:
-        """Over, and the controller has every report: the agent may forget the member."""
-        return self.task is not None and self.task.done() and not self.unsent
+        """Over, and the controller has acked every report: the agent may forget it."""
+        return self.finished and not self.unacked
 
     def report_for_inventory(self) -> dict[str, Any]:
         """What the agent says of this member when it dials in (see muster.gang.LinkBack)."""
@@ -364,6 +371,23 @@ def signal_tree(pid: int, sig: int) -> None:
     for proc in family:
         with contextlib.suppress(psutil.NoSuchProcess):
             proc.send_signal(sig)
+
+
+def sweep_group(pgid: int, grace: float, poll: float = 0.1) -> None:
+    """SIGTERM whatever is left in the process group ``pgid``; SIGKILL it after ``grace``."""
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        return  # nothing left (the usual case)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(poll)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
 
 
 def kill_tree(pid: int, grace: float, *, include_root: bool = True) -> None:

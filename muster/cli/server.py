@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from types import FrameType
 
 import typer
 import uvicorn
@@ -84,13 +85,25 @@ def server(
             markup=False,
         )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    uvicorn.run(
-        application,
-        host=host,
-        port=port,
-        log_level="warning",
-        ws="websockets-sansio",  # its per-frame size cap keeps handshakes to a few KiB
-        ws_max_size=LINK_MAX_BYTES,
-        ssl_certfile=cert_file,
-        ssl_keyfile=key_file,
+    server_ = uvicorn.Server(
+        uvicorn.Config(
+            application,
+            host=host,
+            port=port,
+            log_level="warning",
+            ws="websockets-sansio",  # its per-frame size cap keeps handshakes to a few KiB
+            ws_max_size=LINK_MAX_BYTES,
+            ws_per_message_deflate=False,  # small frames; compressing them costs more CPU
+            ssl_certfile=cert_file,
+            ssl_keyfile=key_file,
+        )
     )
+    stop = server_.handle_exit
+
+    def handle_exit(sig: int, frame: FrameType | None) -> None:
+        # Before uvicorn closes the agents' links: links that close now lose no host.
+        application.state.controller.exiting = True
+        stop(sig, frame)
+
+    server_.handle_exit = handle_exit  # type: ignore[method-assign]
+    server_.run()

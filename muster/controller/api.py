@@ -17,6 +17,7 @@ from muster.errors import BadRequest, FieldError, Forbidden, NotFound, SpecError
 from muster.plan import rank_plan
 from muster.spec import JobState, parse_job
 from muster.store import Store
+from muster.store.jobs import JobSummary
 from muster.store.models import Job
 
 # Who may call each route: see muster.controller.auth. ``router`` is open (health only),
@@ -49,7 +50,7 @@ def health() -> dict[str, str]:
 # ---- jobs --------------------------------------------------------------------------------
 
 
-def job_summary(job: Job) -> dict[str, Any]:
+def job_summary(job: Job | JobSummary) -> dict[str, Any]:
     return {
         "id": job.id,
         "name": job.name,
@@ -94,7 +95,7 @@ async def _json_object(request: Request) -> dict[str, Any]:
 
 @users.get("/jobs")
 async def list_jobs(request: Request) -> list[dict[str, Any]]:
-    jobs = await controller(request).db(store(request).jobs)
+    jobs = await controller(request).db(store(request).job_summaries)
     return [job_summary(j) for j in jobs]
 
 
@@ -252,9 +253,11 @@ async def upload_artifact(
     worker: str = Depends(require_agent),
 ) -> dict[str, Any]:
     st, ctl = store(request), controller(request)
-    members = await ctl.db(st.members, job_id)
-    if not any(m.node_rank == node_rank and m.worker_id == worker for m in members):
-        raise Forbidden(f"worker {worker} is not node{node_rank} of job {job_id}")
+    if not ctl.may_upload(worker, job_id, node_rank):
+        raise Forbidden(
+            f"worker {worker} is not node{node_rank} of a run of job {job_id} whose outputs "
+            "are still awaited"
+        )
     files(request).artifact_limit(rel).check(_declared_size(request))
     size = await files(request).save_artifact(
         job_id, node_rank, rel, _chunks(request), x_muster_sha256

@@ -21,8 +21,6 @@ from muster.controller.gangs import Controller
 from muster.controller.lease import ControllerLease
 from muster.controller.links import (
     CLOSE_REFUSED,
-    CLOSE_SERVER_EXITING,
-    LINK_MAX_BYTES,
     PRE_AUTH_MAX_BYTES,
     handshake,
     limit_message_size,
@@ -76,8 +74,9 @@ def create_app(config: ControllerConfig) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        tasks = [asyncio.create_task(controller.writer.run())]
         await controller.restore_runs()
-        tasks = [
+        tasks += [
             asyncio.create_task(controller.supervise()),
             asyncio.create_task(controller.logs.run()),
             asyncio.create_task(lease.keep()),
@@ -86,6 +85,8 @@ def create_app(config: ControllerConfig) -> FastAPI:
         try:
             yield
         finally:
+            controller.exiting = True  # the links that close now are not hosts lost
+            await controller.writer.drain()
             for task in tasks:
                 task.cancel()
             for link in list(controller.links.values()):
@@ -117,10 +118,18 @@ def create_app(config: ControllerConfig) -> FastAPI:
     def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    warned_cap: list[bool] = []
+
     @app.websocket("/v1/agents/link")
     async def agent_link(ws: WebSocket) -> None:
         # Until the agent has proven it holds the join secret, a frame is a few KiB at most.
-        limit_message_size(ws, PRE_AUTH_MAX_BYTES)
+        if not limit_message_size(ws, PRE_AUTH_MAX_BYTES) and not warned_cap:
+            warned_cap.append(True)
+            log.warning(
+                "this WebSocket server has no per-frame cap: frames before authentication "
+                "are refused past %d bytes only once read (run under muster server)",
+                PRE_AUTH_MAX_BYTES,
+            )
         await ws.accept()
         link = await handshake(
             ws,
@@ -132,8 +141,9 @@ def create_app(config: ControllerConfig) -> FastAPI:
         )
         if link is None:
             return
-        limit_message_size(ws, LINK_MAX_BYTES)
         if not await controller.link_up(link):
+            # The agent's first MAC'd frame is this ERROR, not WELCOME: it sends nothing
+            # on this link (a persistent agent dials again).
             tickets.revoke(link.ticket)
             await link.send(
                 Kind.ERROR,
@@ -144,13 +154,15 @@ def create_app(config: ControllerConfig) -> FastAPI:
             )
             await link.close(CLOSE_REFUSED)
             return
+        if not await link.send(Kind.WELCOME, link.welcome):
+            await controller.link_down(link, "the link closed before WELCOME")
+            return
         log.info("worker %s connected", link.worker_id)
         why = "control link closed"
         try:
             why = await serve_frames(link, metrics, controller.on_frame)
         finally:
-            exiting = link.close_code == CLOSE_SERVER_EXITING
-            await controller.link_down(link, why, controller_exiting=exiting)
+            await controller.link_down(link, why)
             log.info("worker %s disconnected: %s", link.worker_id, why)
 
     return app

@@ -18,16 +18,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from muster.controller.auth import Tickets
 from muster.controller.ingest import LogIngest
-from muster.controller.links import Link
+from muster.controller.links import Link, LinkEnded
 from muster.controller.metrics import Metrics
+from muster.controller.writer import StoreWriter
 from muster.errors import BadRequest, IllegalTransition, PlacementConflict
 from muster.gang import (
     Action,
@@ -59,6 +61,15 @@ from muster.plan import GangAddressing, gang_addressing
 from muster.scheduler import Placement, PoolIndex, QueuedJob, schedule
 from muster.spec import JobSpec, JobState, MemberState, PathClass, WorkerInventory, WorkerState
 from muster.store import Store
+from muster.store.writes import (
+    EventWrite,
+    JobStateWrite,
+    MemberStateWrite,
+    ReleaseWrite,
+    RendezvousWrite,
+    WorkerStateWrite,
+    Write,
+)
 from muster.wire import Frame, Kind
 
 log = logging.getLogger("muster.controller")
@@ -68,6 +79,9 @@ T = TypeVar("T")
 # gang networking issues; until then a gang that would need them waits, saying so.
 SUPPORTED_PATHS = frozenset({PathClass.PRIVATE})
 RESTART_GRACE_HEARTBEATS = 3  # after a restart, runs wait this many heartbeat timeouts
+_SENDS = (SendPrepareRendezvous, SendAssign, SendStop)
+PASS_GATHER_S = 0.01  # a pass waits this long after the first request, to take the others
+IDLE_PASS_EVERY_S = 5.0  # with nothing asked, a pass (why-pending, gauges) this often
 
 
 @dataclass
@@ -100,12 +114,18 @@ class Controller:
         self.lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self.logs = LogIngest(store, metrics)
+        self.writer = StoreWriter(store, metrics, self._flushed)
+        self._specs: dict[str, JobSpec] = {}  # queued jobs' parsed specs
+        self._pass_wanted = True
+        self._consumers: dict[str, asyncio.Task[None]] = {}  # worker id -> its link's consumer
+        self.exiting = False  # set when the controller stops: links going down lose nobody
 
     async def db(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run a store call off the event loop."""
         return await asyncio.to_thread(fn, *args, **kwargs)
 
     def request_pass(self) -> None:
+        self._pass_wanted = True
         self._wake.set()
 
     def runs_bundle(self, worker_id: str, sha256: str) -> bool:
@@ -115,73 +135,78 @@ class Controller:
             for entry in self.runs.values()
         )
 
+    def may_upload(self, worker_id: str, job_id: str, node: int) -> bool:
+        """Whether the worker is node ``node`` of the job's tracked run and that member's
+        outputs have not been reported yet (no upload over a finished job's outputs)."""
+        entry = self.runs.get(job_id)
+        if entry is None or entry.gang.node_of(worker_id) != node:
+            return False
+        return entry.gang.members[node].outputs is None
+
     # ---- the shell: step, then apply ----------------------------------------------------
 
-    async def _step(self, entry: RunEntry, event: Event) -> None:
+    async def _step(self, entry: RunEntry, event: Event) -> asyncio.Future[None]:
         """Step the run and apply what it decided; a send that finds no link becomes a
-        LinkLost for that worker once the rest of the batch is applied."""
+        LinkLost for that worker once the rest of the batch is applied. Returns the future
+        of the step's store writes (done once they are committed)."""
         entry.gang, actions = step(entry.gang, event, time.time())
-        lost = await self._apply(entry, actions)
+        lost, written = await self._apply(entry, actions)
         for worker, why in lost:
             entry.gang, actions = step(entry.gang, LinkLost(worker, why), time.time())
-            await self._apply(entry, actions)
+            _more_lost, written = await self._apply(entry, actions)
         if entry.gang.settled and self.runs.get(entry.gang.job) is entry:
             del self.runs[entry.gang.job]
             self.request_pass()
+        return written
 
-    async def _apply(self, entry: RunEntry, actions: Sequence[Action]) -> list[tuple[str, str]]:
+    async def _apply(
+        self, entry: RunEntry, actions: Sequence[Action]
+    ) -> tuple[list[tuple[str, str]], asyncio.Future[None]]:
+        """The step's store writes go to the group commit; frames go out after them. ASSIGN
+        waits until the writes are committed: a member that may run is on record first (a
+        restart rebuilds from it)."""
         run = entry.gang
         job, epoch = run.job, run.epoch
         lost: list[tuple[str, str]] = []
-
-        async def send(worker: str, kind: Kind, body: dict[str, Any]) -> bool:
-            link = self.links.get(worker)
-            if link is not None and await link.send(kind, body):
-                return True
-            lost.append((worker, f"it had no control link when {kind.name} was sent"))
-            return False
-
+        writes: list[Write] = []
         for action in actions:
             if isinstance(action, SetJobState):
-                try:
-                    await self.db(self.store.set_job_state, job, action.state, action.reason)
-                except IllegalTransition as exc:  # the store moved first (say, a cancel)
-                    log.warning("job %s: %s", job, exc)
-                if action.state.is_terminal:
-                    self.request_pass()
+                writes.append(JobStateWrite(job, action.state, action.reason))
             elif isinstance(action, SetMemberState):
                 address = None
                 if action.state is MemberState.ASSIGNED and entry.addressing is not None:
                     address = entry.addressing.addresses[action.node]
-                await self.db(
-                    self.store.set_member_state,
-                    job,
-                    action.node,
-                    action.state,
-                    exit_code=action.exit_code,
-                    signal=action.signal,
-                    path_address=address,
+                writes.append(
+                    MemberStateWrite(
+                        job, action.node, action.state, action.exit_code, action.signal, address
+                    )
                 )
             elif isinstance(action, RecordEvent):
-                await self.db(
-                    self.store.record_event,
-                    action.kind,
-                    action.message,
-                    job=job,
-                    worker=action.worker,
-                    data=dict(action.data),
-                )
+                data = dict(action.data)
+                writes.append(EventWrite(action.kind, action.message, job, action.worker, data))
             elif isinstance(action, ReleaseWorker):
-                await self.db(self.store.release_worker, action.worker, job)
-                self.request_pass()
-            elif isinstance(action, SendPrepareRendezvous):
-                body = {"job": job, "epoch": epoch, "addr": action.addr, "port": action.port}
-                await send(action.worker, Kind.PREPARE_RENDEZVOUS, body)
+                writes.append(ReleaseWrite(action.worker, job))
             elif isinstance(action, SetRendezvous):
-                await self.db(self.store.set_epoch_rendezvous, job, epoch, action.addr, action.port)
+                writes.append(RendezvousWrite(job, epoch, action.addr, action.port))
                 entry.addressing = gang_addressing(
                     entry.gang.path or PathClass.PRIVATE, entry.inventories, action.port
                 )
+        written = self.writer.submit(writes)
+        sends = [a for a in actions if isinstance(a, _SENDS)]
+        if any(isinstance(a, SendAssign) for a in sends):
+            # Only ASSIGN starts processes. (A PREPARE sent before its job's state is on
+            # record is harmless: after a restart node 0 is simply asked again.)
+            await written
+
+        async def send(worker: str, kind: Kind, body: dict[str, Any]) -> None:
+            link = self.links.get(worker)
+            if link is None or not await link.send(kind, body):
+                lost.append((worker, f"it had no control link when {kind.name} was sent"))
+
+        for action in sends:
+            if isinstance(action, SendPrepareRendezvous):
+                body = {"job": job, "epoch": epoch, "addr": action.addr, "port": action.port}
+                await send(action.worker, Kind.PREPARE_RENDEZVOUS, body)
             elif isinstance(action, SendAssign):
                 await send(action.worker, Kind.ASSIGN, self._assignment(entry, action.node))
             elif isinstance(action, SendStop):
@@ -194,7 +219,15 @@ class Controller:
                         "reason": action.reason,
                     }
                     await link.send(Kind.STOP, order)
-        return lost
+        return lost, written
+
+    def _flushed(self, writes: Sequence[Write]) -> None:
+        """After a commit: a worker freed or a job ended is room for the queue."""
+        if any(
+            isinstance(w, ReleaseWrite) or (isinstance(w, JobStateWrite) and w.state.is_terminal)
+            for w in writes
+        ):
+            self.request_pass()
 
     def _assignment(self, entry: RunEntry, node: int) -> dict[str, Any]:
         addressing = entry.addressing
@@ -220,11 +253,22 @@ class Controller:
         Runs for the controller's life: a step that fails is logged with its traceback,
         counted in muster_internal_errors_total{loop="supervise"}, and the loop goes on.
         """
+        last_pass = 0.0
         while True:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), tick)
+            if self._wake.is_set():
+                # Let the requests of a burst (a gang's members ending together) gather
+                # into one pass.
+                await asyncio.sleep(PASS_GATHER_S)
             self._wake.clear()
-            for part in (self._check_links, self._tick_runs, self.scheduler_pass, self._gauges):
+            parts: list[Callable[[], Awaitable[None]]] = [self._check_links, self._tick_runs]
+            now = time.monotonic()
+            if self._pass_wanted or now - last_pass > IDLE_PASS_EVERY_S:
+                self._pass_wanted = False
+                last_pass = now
+                parts += [self.scheduler_pass, self._gauges]
+            for part in parts:
                 try:
                     await part()
                 except asyncio.CancelledError:
@@ -261,52 +305,65 @@ class Controller:
     async def scheduler_pass(self) -> None:
         async with self.lock:
             started = time.perf_counter()
-            queued = await self.db(self.store.jobs, [JobState.QUEUED])
+            queued = await self.db(self.store.queued)
             if not queued:
                 return
             views = await self.db(self.store.workers)
+            new = [job_id for job_id, _seq, _bundle in queued if job_id not in self._specs]
+            stored = await self.db(self.store.specs, new) if new else {}
             jobs = []
-            for j in queued:
-                try:
-                    jobs.append(QueuedJob(j.id, self.store.job_spec(j), j.seq))
-                except ValueError as exc:  # pydantic's ValidationError is a ValueError
-                    # A stored spec this version no longer accepts: fail that job, place
-                    # the others (it used to stop all placement).
-                    await self.db(
-                        self.store.set_job_state,
-                        j.id,
-                        JobState.FAILED,
-                        f"the stored spec no longer validates ({_first_line(exc)}); "
-                        "fix it and submit the job again",
-                    )
+            for job_id, seq, _bundle in queued:
+                spec = self._specs.get(job_id)
+                if spec is None:  # validated once: a stored spec never changes
+                    try:
+                        spec = self._specs[job_id] = JobSpec.model_validate(
+                            stored[job_id], strict=False
+                        )
+                    except ValueError as exc:  # pydantic's ValidationError is a ValueError
+                        # A stored spec this version no longer accepts: fail that job, place
+                        # the others (it used to stop all placement).
+                        await self.db(
+                            self.store.set_job_state,
+                            job_id,
+                            JobState.FAILED,
+                            f"the stored spec no longer validates ({_first_line(exc)}); "
+                            "fix it and submit the job again",
+                        )
+                        continue
+                jobs.append(QueuedJob(job_id, spec, seq))
+            for gone in self._specs.keys() - {job_id for job_id, _s, _b in queued}:
+                del self._specs[gone]  # cancelled while queued
             specs = {j.id: j.spec for j in jobs}
-            bundles = {j.id: j.bundle_sha256 for j in queued}
+            bundles = {job_id: bundle for job_id, _seq, bundle in queued}
             pending: dict[str, str | None] = {}
+            placements: dict[str, Placement] = {}
             for decision in schedule(jobs, PoolIndex(views), SUPPORTED_PATHS):
                 outcome = decision.outcome
-                if not isinstance(outcome, Placement):
+                if isinstance(outcome, Placement):
+                    placements[decision.job_id] = outcome
+                else:
                     pending[decision.job_id] = outcome.reason
-                    continue
-                try:
-                    epoch = await self.db(
-                        self.store.reserve_placement,
-                        decision.job_id,
-                        outcome.worker_ids,
-                        outcome.path.value,
-                    )
-                except PlacementConflict as exc:
-                    log.info("placement lost a race: %s", exc)
+            # Every gang of the pass reserved in one transaction (each all or nothing).
+            reserved = await self.db(
+                self.store.reserve_placements,
+                [(job_id, p.worker_ids, p.path.value) for job_id, p in placements.items()],
+            )
+            for job_id, outcome in placements.items():
+                epoch = reserved[job_id]
+                if isinstance(epoch, PlacementConflict):
+                    log.info("placement lost a race: %s", epoch)
                     continue
                 self.metrics.placement.observe(time.perf_counter() - started)
-                spec = specs[decision.job_id]
-                entry = RunEntry(GangRun(), spec, list(outcome.members), bundles[decision.job_id])
-                self.runs[decision.job_id] = entry
-                self.logs.note_senders(decision.job_id, list(outcome.worker_ids))
+                spec = specs[job_id]
+                self._specs.pop(job_id, None)
+                entry = RunEntry(GangRun(), spec, list(outcome.members), bundles[job_id])
+                self.runs[job_id] = entry
+                self.logs.note_senders(job_id, list(outcome.worker_ids))
                 planned = gang_addressing(outcome.path, entry.inventories, 0)
                 await self._step(
                     entry,
                     Placed(
-                        job=decision.job_id,
+                        job=job_id,
                         epoch=epoch.number,
                         workers=tuple(outcome.worker_ids),
                         path=outcome.path,
@@ -347,7 +404,10 @@ class Controller:
                 published = None
                 if rec.epoch.master_addr and rec.epoch.master_port:
                     published = (rec.epoch.master_addr, rec.epoch.master_port)
-                created = rec.epoch.created_at.timestamp()
+                created_at = rec.epoch.created_at
+                if created_at.tzinfo is None:  # SQLite gives naive datetimes; muster's are UTC
+                    created_at = created_at.replace(tzinfo=datetime.UTC)
+                created = created_at.timestamp()
                 gang = GangRun.restore(
                     job_id,
                     rec.epoch.number,
@@ -385,34 +445,70 @@ class Controller:
     # ---- frames from agents --------------------------------------------------------------
 
     async def on_frame(self, link: Link, frame: Frame) -> None:
-        body = frame.body
-        kind = frame.kind
-        if kind is Kind.HEARTBEAT:
+        """Heartbeats are answered and logs queued at once; every other frame waits in the
+        link's inbox for its consumer (and the lock), so a busy controller never leaves a
+        heartbeat unread behind a member frame."""
+        if frame.kind is Kind.HEARTBEAT:
             stops = [e.gang.job for e in self.runs.values() if e.gang.must_stop(link.worker_id)]
             await link.send(Kind.HEARTBEAT_ACK, {"stop": stops})
-        elif kind is Kind.LOGS:
-            await self.logs.put(link, body)
-        elif kind is Kind.INVENTORY:
-            async with self.lock:
-                await self._inventory(link, body)
+        elif frame.kind is Kind.LOGS:
+            await self.logs.put(link, frame.body)
         else:
-            async with self.lock:
-                await self._member_frame(link, kind, body)
+            await link.inbox.put(frame)
 
-    async def _member_frame(self, link: Link, kind: Kind, body: dict[str, Any]) -> None:
+    async def _consume(self, link: Link, after: asyncio.Task[None] | None) -> None:
+        """The link's frames in their order, each under the lock; its end comes last. Runs
+        until the link ends: a frame that fails is logged, counted and skipped."""
+        if after is not None:  # the worker's previous link is handled to its end first
+            with contextlib.suppress(Exception):
+                await after
+        while True:
+            item = await link.inbox.get()
+            if isinstance(item, LinkEnded):
+                await self._link_ended(link, item)
+                return
+            try:
+                async with self.lock:
+                    if item.kind is Kind.INVENTORY:
+                        await self._inventory(link, item.body)
+                        continue
+                    written = await self._member_frame(link, item.kind, item.body)
+                if item.kind in (Kind.MEMBER_EXITED, Kind.ARTIFACTS_DONE):
+                    # Once on record (outside the lock: other links go on meanwhile), the
+                    # agent may drop its copy of the report.
+                    await written
+                    ack = {k: item.body.get(k) for k in ("job", "epoch", "node_rank")}
+                    await link.send(Kind.REPORT_ACK, {**ack, "report": int(item.kind)})
+            except asyncio.CancelledError:
+                raise
+            except (KeyError, TypeError, ValueError) as exc:  # a MAC'd frame, bad body
+                self.metrics.frames_refused.labels("malformed").inc()
+                log.warning(
+                    "worker %s: %s frame with a bad body: %r", link.worker_id, item.kind.name, exc
+                )
+            except Exception:
+                self.metrics.internal_errors.labels("link").inc()
+                log.exception(
+                    "worker %s: handling %s failed; going on", link.worker_id, item.kind.name
+                )
+
+    async def _member_frame(
+        self, link: Link, kind: Kind, body: dict[str, Any]
+    ) -> asyncio.Future[None]:
+        """Step the run the frame is about; returns the future of the writes it caused."""
         job = str(body.get("job"))
         entry = self.runs.get(job)
+        nothing = self.writer.submit([])
         if entry is None or body.get("epoch") != entry.gang.epoch:
             if kind in (Kind.RENDEZVOUS_READY, Kind.MEMBER_STARTED):
                 await link.send(Kind.STOP, {"job": job, "reason": "stale"})
             elif kind is Kind.MEMBER_EXITED:
                 # The member of a run no longer tracked is gone: its worker is free.
-                await self.db(self.store.release_worker, link.worker_id, job)
-                self.request_pass()
-            return
+                return self.writer.submit([ReleaseWrite(link.worker_id, job)])
+            return nothing
         node = entry.gang.node_of(link.worker_id)
         if node is None or node != body.get("node_rank", node):
-            return
+            return nothing
         event: Event
         if kind is Kind.RENDEZVOUS_READY:
             event = PortPublished(node, str(body["addr"]), int(body["port"]))
@@ -423,17 +519,17 @@ class Controller:
         elif kind is Kind.ARTIFACTS_DONE:
             errors = tuple(str(e) for e in body.get("errors") or [])
             if not errors:  # remembered for a restart (GangRun.restore's outputs)
-                await self.db(
-                    self.store.record_event,
+                stored = EventWrite(
                     "OutputsStored",
                     f"node{node} stored {len(body.get('files') or [])} output file(s)",
-                    job=job,
+                    job,
                     data={"node": node, "epoch": entry.gang.epoch},
                 )
+                self.writer.submit([stored])
             event = OutputsStored(node, ok=not errors, errors=errors)
         else:
-            return
-        await self._step(entry, event)
+            return nothing
+        return await self._step(entry, event)
 
     async def _inventory(self, link: Link, body: dict[str, Any]) -> None:
         inventory = WorkerInventory.model_validate(body["inventory"], strict=False)
@@ -458,6 +554,7 @@ class Controller:
             ),
             None,
         )
+        await self.writer.barrier()  # an older queued write (say, OFFLINE) must not win
         await self.db(self.store.upsert_worker, inventory, held_by=held_by, draining=bool(stale))
         for report in stale:
             order = {"job": report.job, "epoch": report.epoch, "node_rank": report.node}
@@ -480,40 +577,65 @@ class Controller:
             if state.is_terminal:
                 raise BadRequest(f"job {job_id} already {state.value}; nothing to cancel")
             entry = self.runs.get(job_id)
+            if entry is not None and entry.gang.is_over:  # decided, not yet committed
+                done = entry.gang.job_state.value
+                raise BadRequest(f"job {job_id} already {done}; nothing to cancel")
             if entry is not None:
-                await self._step(entry, Cancel("cancelled by the user"))
+                written = await self._step(entry, Cancel("cancelled by the user"))
             else:
                 await self.db(
                     self.store.set_job_state, job_id, JobState.CANCELLED, "cancelled by the user"
                 )
+                return
+        await written  # the caller reads the job back: the cancel is on record first
 
     async def link_up(self, link: Link) -> bool:
         """Register an authenticated link; False when that worker id is already connected."""
         if link.worker_id in self.links:
             return False
         self.links[link.worker_id] = link
+        previous = self._consumers.get(link.worker_id)
+        link.consumer = asyncio.create_task(self._consume(link, previous))
+        self._consumers[link.worker_id] = link.consumer
         self.metrics.agents.set(len(self.links))
         return True
 
     async def link_down(self, link: Link, why: str, *, controller_exiting: bool = False) -> None:
-        """The link's EOF (or silence) is the host's exit: its members are lost.
-
-        When the controller itself is stopping, the runs are left as they are: the next
-        start rebuilds them and waits for the agents to dial back (restore_runs).
-        """
+        """The link's EOF (or silence) is the host's exit: its members are lost, once every
+        frame it sent before has been handled (its consumer takes the end last)."""
         if self.links.get(link.worker_id) is not link:
             return
+        controller_exiting = controller_exiting or self.exiting
         del self.links[link.worker_id]
         self.tickets.revoke(link.ticket)
         self.metrics.agents.set(len(self.links))
-        if controller_exiting:
+        await link.inbox.put(LinkEnded(why, controller_exiting))
+
+    async def _link_ended(self, link: Link, end: LinkEnded) -> None:
+        """When the controller itself is stopping, the runs are left as they are: the next
+        start rebuilds them and waits for the agents to dial back (restore_runs)."""
+        if self._consumers.get(link.worker_id) is link.consumer:
+            del self._consumers[link.worker_id]
+        if end.controller_exiting:
             return
+        why = end.why
         async with self.lock:
-            await self.db(self.store.set_worker_state, link.worker_id, WorkerState.OFFLINE)
-            await self.db(self.store.record_event, "WorkerLost", why, worker=link.worker_id)
+            # The runs first: a store error below must not leave a lost member running.
             for entry in list(self.runs.values()):
                 if link.worker_id in entry.gang.workers:
-                    await self._step(entry, LinkLost(link.worker_id, why))
+                    try:
+                        await self._step(entry, LinkLost(link.worker_id, why))
+                    except Exception:
+                        self.metrics.internal_errors.labels("link").inc()
+                        log.exception(
+                            "job %s: handling the loss of %s failed", entry.gang.job, link.worker_id
+                        )
+            self.writer.submit(
+                [
+                    WorkerStateWrite(link.worker_id, WorkerState.OFFLINE),
+                    EventWrite("WorkerLost", why, worker=link.worker_id),
+                ]
+            )
         self.request_pass()
 
 

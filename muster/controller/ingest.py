@@ -22,19 +22,26 @@ from muster.wire import Kind
 
 log = logging.getLogger("muster.controller")
 REMEMBERED_JOBS = 4096
-STORE_ATTEMPTS = 6  # about 30 s of a database outage before a batch is given up
+LINK_MOST_QUEUED = 64  # LOGS frames of one link waiting to be stored (agents keep <= 32)
 
 
 class LogIngest:
     def __init__(self, store: Store, metrics: Metrics) -> None:
         self.store = store
         self.metrics = metrics
-        self._queue: asyncio.Queue[tuple[Link, str, Any, Any]] = asyncio.Queue(maxsize=256)
+        # Unbounded here, bounded by the agents: each has at most MAX_UNACKED batches in
+        # flight. A put never blocks the link's reader, so heartbeats go on being read
+        # while the database is slow.
+        self._queue: asyncio.Queue[tuple[Link, str, Any, Any]] = asyncio.Queue()
         # Who may send a job's lines: the workers placed in it (any epoch), newest jobs.
         self._senders: OrderedDict[str, set[str]] = OrderedDict()
 
     async def put(self, link: Link, body: dict[str, Any]) -> None:
-        await self._queue.put((link, str(body.get("job")), body.get("lines"), body.get("batch")))
+        if link.logs_queued >= LINK_MOST_QUEUED:  # past what an honest agent keeps in flight
+            self.metrics.frames_refused.labels("flood").inc()
+            return
+        link.logs_queued += 1
+        self._queue.put_nowait((link, str(body.get("job")), body.get("lines"), body.get("batch")))
 
     def note_senders(self, job_id: str, workers: list[str]) -> None:
         self._senders.setdefault(job_id, set()).update(workers)
@@ -60,15 +67,21 @@ class LogIngest:
             while count < most and not self._queue.empty():
                 frames.append(self._queue.get_nowait())
                 count += len(frames[-1][2] or [])
-            for attempt in range(STORE_ATTEMPTS):
+            for link, *_rest in frames:
+                link.logs_queued -= 1
+            attempt = 0
+            while True:
                 try:
                     await self._store(frames)
                     break
                 except asyncio.CancelledError:
                     raise
-                except StoreUnavailable as exc:  # the database is down: wait, try again
+                except StoreUnavailable as exc:
+                    # The database is down: these frames wait (unacked, so the agents hold
+                    # their copies and capture slows) and are tried again; nothing is lost.
                     self.metrics.internal_errors.labels("ingest").inc()
-                    log.warning("storing log lines: %s (attempt %d)", exc, attempt + 1)
+                    attempt += 1
+                    log.warning("storing log lines: %s (attempt %d; trying again)", exc, attempt)
                     await asyncio.sleep(min(2.0**attempt, 10.0))
                 except Exception:
                     self.metrics.internal_errors.labels("ingest").inc()

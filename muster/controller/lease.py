@@ -12,6 +12,7 @@ import asyncio
 import datetime
 import logging
 import os
+import signal
 import socket
 import time
 from typing import Any
@@ -27,6 +28,14 @@ LEASE_TTL_S = 30.0
 RENEW_EVERY_S = 5.0
 
 
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            return fh.read().strip()
+    except OSError:
+        return ""
+
+
 class ControllerLease:
     def __init__(self, store: Store, port: int) -> None:
         self.store = store
@@ -34,10 +43,14 @@ class ControllerLease:
         self.pid = os.getpid()
         self.port = port
         self.holder = f"{self.host} pid {self.pid} port {port}"
+        self.boot = _boot_id()
 
     def _stale(self, current: dict[str, Any]) -> bool:
-        """The holder is a process of this host that is gone."""
-        if current.get("host") != self.host or not isinstance(current.get("pid"), int):
+        """The holder was a process of this very machine and boot (same host name and boot
+        id: not a clone, not another container's PID namespace) that is gone."""
+        if current.get("host") != self.host or current.get("boot") != self.boot:
+            return False
+        if not self.boot or not isinstance(current.get("pid"), int):
             return False
         pid = int(current["pid"])
         return pid != self.pid and not psutil.pid_exists(pid)
@@ -48,7 +61,7 @@ class ControllerLease:
             now=time.time(),
             ttl=LEASE_TTL_S,
             stale=self._stale,
-            info={"host": self.host, "pid": self.pid, "port": self.port},
+            info={"host": self.host, "pid": self.pid, "port": self.port, "boot": self.boot},
         )
 
     def acquire(self) -> None:
@@ -72,12 +85,14 @@ class ControllerLease:
                 log.exception("renewing the controller lease failed; trying again")
                 continue
             if current is not None:
-                log.error(
+                log.critical(
                     "the controller lease was taken by %s (this controller was paused past "
-                    "%.0fs?); two controllers on one database: stop one",
+                    "%.0fs?); this one stops so that only one decides",
                     current.get("holder"),
                     LEASE_TTL_S,
                 )
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
 
     def release(self) -> None:
         try:

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
@@ -23,9 +24,21 @@ HANDSHAKE_TIMEOUT_S = 10.0
 SEND_TIMEOUT_S = 10.0  # a peer that takes longer to accept one frame is dropped
 PRE_AUTH_MAX_BYTES = 4096  # CHALLENGE/AUTH are a few hundred bytes
 LINK_MAX_BYTES = wire.MAX_PAYLOAD + wire.HEADER.size + wire.MAC_SIZE
+INBOX_FRAMES = 1024  # frames of one link waiting for the lock before its reader waits too
+OUTBOX_FRAMES = 10_000  # frames queued to one agent before it counts as not reading
+
+
+@dataclass(frozen=True)
+class LinkEnded:
+    """The last item of a link's inbox: the link is gone (``why``), handled after every
+    frame that came before it."""
+
+    why: str
+    controller_exiting: bool = False
+
+
 CLOSE_AUTH_FAILED = 4401
 CLOSE_REFUSED = 4409
-CLOSE_SERVER_EXITING = 1012  # what uvicorn sends every WebSocket when the controller stops
 
 
 class Link:
@@ -40,39 +53,66 @@ class Link:
         self.closed = False
         self.close_code: int | None = None
         self.reported = False  # its first INVENTORY (what the agent still runs) was handled
-        self._send_lock = asyncio.Lock()
+        self.welcome: dict[str, Any] = {}  # the WELCOME body, sent once the link is registered
+        self.logs_queued = 0  # its LOGS frames waiting for the ingest task
+        # Frames that need the controller's lock wait here, in their order, for the link's
+        # own consumer task; the reader goes on reading (and heartbeats are answered).
+        self.inbox: asyncio.Queue[Frame | LinkEnded] = asyncio.Queue(maxsize=INBOX_FRAMES)
+        self.consumer: asyncio.Task[None] | None = None
+        # Frames to the agent go out through one pump task, so no caller (and no lock a
+        # caller holds) ever waits on a peer that stopped reading.
+        self._outbox: asyncio.Queue[bytes] = asyncio.Queue()
+        self._pump: asyncio.Task[None] | None = None
 
-    async def send(self, kind: Kind, body: dict[str, Any], timeout: float = SEND_TIMEOUT_S) -> bool:
-        """Send a frame; False when the link is gone, or is dropped now because the peer
-        did not take the frame within ``timeout`` (it stopped reading)."""
+    async def send(self, kind: Kind, body: dict[str, Any]) -> bool:
+        """Queue a frame for the agent; False when the link is gone. A peer that does not
+        take a frame within SEND_TIMEOUT_S, or lets OUTBOX_FRAMES pile up, is dropped."""
         if self.closed:
             return False
-        try:
-            async with asyncio.timeout(timeout), self._send_lock:
-                await self.ws.send_bytes(self.codec.encode(kind, body))
-                return True
-        except TimeoutError:
-            log.warning(
-                "worker %s took over %.0fs to accept a %s frame; dropping its link",
-                self.worker_id,
-                timeout,
-                kind.name,
-            )
-            self.closed = True
-            # Closing sends a frame too, to a peer that does not read: bound it as well.
-            with contextlib.suppress(Exception):
-                async with asyncio.timeout(1.0):
-                    await self.ws.close(1011)
+        if self._outbox.qsize() >= OUTBOX_FRAMES:
+            log.warning("worker %s lets frames pile up; dropping its link", self.worker_id)
+            await self.close(1011)
             return False
-        except (WebSocketDisconnect, RuntimeError, OSError):
-            self.closed = True
-            return False
+        self._outbox.put_nowait(self.codec.encode(kind, body))  # seq order = queue order
+        if self._pump is None:
+            self._pump = asyncio.create_task(self._send_queued())
+        return True
+
+    async def _send_queued(self) -> None:
+        while True:
+            data = await self._outbox.get()
+            try:
+                async with asyncio.timeout(SEND_TIMEOUT_S):
+                    await self.ws.send_bytes(data)
+            except TimeoutError:
+                log.warning(
+                    "worker %s took over %.0fs to accept a frame; dropping its link",
+                    self.worker_id,
+                    SEND_TIMEOUT_S,
+                )
+                self.closed = True
+                await _close(self.ws, 1011)
+                return
+            except Exception:  # WebSocketDisconnect, RuntimeError, OSError: it is gone
+                self.closed = True
+                return
+            finally:
+                self._outbox.task_done()
+
+    async def flush(self, timeout: float = 1.0) -> None:
+        """Wait (bounded) until the queued frames are out."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await self._outbox.join()
 
     async def close(self, code: int = 1000) -> None:
-        """Close the link; never raises (it is called from the supervision loop)."""
+        """Close the link (what was queued goes first, within a second); never raises."""
         if not self.closed:
+            await self.flush()
             self.closed = True
             await _close(self.ws, code)
+        if self._pump is not None:
+            self._pump.cancel()
 
 
 def limit_message_size(ws: WebSocket, size: int) -> bool:
@@ -131,21 +171,18 @@ async def handshake(
         log.warning("refused a control link from %r: wrong join secret", worker_id[:64])
         await _close(ws, CLOSE_AUTH_FAILED)
         return None
+    # Proven: lift the cap before WELCOME, as the agent's next frames follow it at once.
+    limit_message_size(ws, LINK_MAX_BYTES)
     key = wire.session_key(join_secret, cnonce, anonce)
     codec = wire.LinkCodec(key, send=wire.TO_AGENT, receive=wire.TO_CONTROLLER)
     link = Link(ws, worker_id, codec, ticket=tickets.issue(worker_id))
-    welcomed = await link.send(
-        Kind.WELCOME,
-        {
-            "proof": wire.server_proof(join_secret, cnonce, anonce),
-            "ticket": link.ticket,
-            "heartbeat_interval": heartbeat_interval,
-            "heartbeat_timeout": heartbeat_timeout,
-        },
-    )
-    if not welcomed:
-        tickets.revoke(link.ticket)
-        return None
+    # Sent by welcome(), once the link is registered (or an ERROR instead, if it is not).
+    link.welcome = {
+        "proof": wire.server_proof(join_secret, cnonce, anonce),
+        "ticket": link.ticket,
+        "heartbeat_interval": heartbeat_interval,
+        "heartbeat_timeout": heartbeat_timeout,
+    }
     return link
 
 

@@ -23,7 +23,8 @@ class Metrics:
         )
         self.frames_refused = Counter(
             "muster_frames_refused",
-            "Control-link frames refused, by reason (auth, malformed, forged, replayed, foreign)",
+            "Control-link frames refused, by reason (auth, malformed, forged, replayed, foreign; "
+            "poison: log lines the database refused; flood: LOGS past the in-flight bound)",
             ["reason"],
             registry=self.registry,
         )

@@ -60,6 +60,7 @@ from muster.spec import JobState, MemberState
 _M = MemberState
 _FORWARD = (_M.PENDING, _M.ASSIGNED, _M.STARTING, _M.RUNNING, _M.SUCCEEDED)
 _BEFORE_RENDEZVOUS = (JobState.PLACING, JobState.NETWORKING)
+RENDEZVOUS_TIMEOUT_S = 120.0  # node 0 answers PREPARE_RENDEZVOUS within this, or the job fails
 
 
 def step(run: GangRun, event: Event, now: float) -> tuple[GangRun, tuple[Action, ...]]:
@@ -151,6 +152,7 @@ def _placed(turn: _Turn, event: Placed) -> None:
         port=event.port,
         timeout=event.timeout,
         deadline=turn.now + event.timeout if event.timeout else None,
+        rendezvous_deadline=turn.now + RENDEZVOUS_TIMEOUT_S,
     )
     turn.set_job(
         JobState.RENDEZVOUS, f"epoch {event.epoch}: waiting for node0 to publish its address"
@@ -228,7 +230,17 @@ def _maybe_running(turn: _Turn) -> None:
 
 def _member_exited(turn: _Turn, event: MemberExited) -> None:
     member = turn.member(event.node)
-    if member is None or not member.assigned or member.gone:
+    if member is None or member.gone:
+        return
+    if not member.assigned:
+        # Node 0 could not get its rendezvous ready (no port to listen on): nothing of it
+        # runs, and the gang cannot meet without it.
+        if member.node == 0 and event.exit_code != 0 and not turn.run.is_over:
+            turn.update(0, gone=True)
+            turn.set_member(0, MemberState.FAILED, exit_code=event.exit_code)
+            turn.release(0)
+            cause = root_cause(0, member.worker, event)
+            _fail(turn, JobState.FAILED, f"{cause} (preparing the rendezvous)")
         return
     node, code, over = member.node, event.exit_code, turn.run.is_over
     if code == 0 and not member.started and not over:
@@ -315,7 +327,16 @@ def _link_back(turn: _Turn, event: LinkBack) -> None:
     member = turn.update(node, lost=False, unconfirmed=False)
     over = run.is_over
     who = f"node{node} (worker {member.worker}) was lost"
-    if not member.assigned:
+    if not member.assigned and report is not None and report.exit_code is None:
+        # It runs although the store never saw its ASSIGN (the controller stopped between
+        # the two): take it as assigned and started, and go on from there.
+        turn.update(node, assigned=True)
+        if over:
+            turn.emit(SendStop(member.worker, run.reason))
+        else:
+            turn.update(node, started=True)
+            turn.set_member(node, MemberState.RUNNING)
+    elif not member.assigned:
         if node == 0 and run.phase is GangPhase.RENDEZVOUS and not over:
             turn.emit(SendPrepareRendezvous(member.worker, run.master_addr, run.port))
     elif member.gone:
@@ -344,6 +365,20 @@ def _tick(turn: _Turn) -> None:
     run = turn.run
     if not run.is_over and run.deadline is not None and turn.now > run.deadline:
         _fail(turn, JobState.FAILED, f"timed out after {run.timeout}s (spec.timeout)")
+    if (
+        not turn.run.is_over
+        and turn.run.published is None
+        and turn.run.rendezvous_deadline is not None
+        and turn.now > turn.run.rendezvous_deadline
+        and not any(m.unconfirmed for m in turn.run.members)
+    ):
+        node0 = turn.run.members[0]
+        _fail(
+            turn,
+            JobState.FAILED,
+            f"node0 (worker {node0.worker}) did not publish its rendezvous address within "
+            f"{RENDEZVOUS_TIMEOUT_S:.0f}s",
+        )
     if turn.run.grace_deadline is None or turn.now < turn.run.grace_deadline:
         return
     turn.run = replace(turn.run, grace_deadline=None)
@@ -366,7 +401,11 @@ def _tick(turn: _Turn) -> None:
 
 
 def _restarted(turn: _Turn, event: ControllerRestarted) -> None:
-    turn.run = replace(turn.run, grace_deadline=event.grace_deadline)
+    turn.run = replace(
+        turn.run,
+        grace_deadline=event.grace_deadline,
+        rendezvous_deadline=event.grace_deadline + RENDEZVOUS_TIMEOUT_S,
+    )
     run = turn.run
     if run.job_state in _BEFORE_RENDEZVOUS:
         turn.set_job(

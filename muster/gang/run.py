@@ -106,6 +106,7 @@ class GangRun:
     timeout: int | None = None
     deadline: float | None = None  # job timeout, on step's clock
     grace_deadline: float | None = None  # set by ControllerRestarted
+    rendezvous_deadline: float | None = None  # node 0 must publish its port by then
 
     @classmethod
     def placed(

@@ -67,9 +67,12 @@ def schedule(
             pool.take(outcome.worker_ids)
         else:
             if held and isinstance(place_gang(job.spec, pool, paths=paths), Placement):
+                ahead = waiting_for[0]
+                if len(waiting_for) > 1:
+                    ahead += f" and {len(waiting_for) - 1} more"
                 outcome = Unplaceable(
-                    f"waiting behind {', '.join(waiting_for)} (queue order): the idle workers "
-                    "that fit are held for the job(s) ahead",
+                    f"waiting behind {ahead} (queue order): the idle workers that fit are "
+                    "held for the job(s) ahead",
                     outcome.ruled_out,
                 )
             eligible = cache.index(Need.of(job.spec)).eligible

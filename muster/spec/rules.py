@@ -184,7 +184,7 @@ def _distributed(spec: JobSpec) -> Iterator[FieldError]:
     if spec.retries > 0:
         yield FieldError(
             "retries",
-            "must be 0: muster retries no job (a partly run gang cannot be resumed); "
+            "must be 0: muster never retries a job (a partly run gang cannot be resumed); "
             "checkpoint to MUSTER_OUTPUT_DIR and resubmit",
         )
     if dist.membership == "window":

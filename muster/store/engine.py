@@ -43,15 +43,28 @@ def data_dir() -> Path:
 
 def ensure_data_dir() -> Path:
     """``data_dir()``, created private to the user (0700) when it does not exist yet."""
-    return make_private_dir(data_dir())
+    return make_private_dir(data_dir(), existing_too=True)
 
 
-def make_private_dir(path: Path) -> Path:
-    """Create ``path`` (and missing parents) as 0700; an existing directory is left as it is."""
+def make_private_dir(path: Path, *, existing_too: bool = False) -> Path:
+    """Create ``path`` (and missing parents) as 0700. An existing directory is left as it is
+    (it may be /tmp), unless ``existing_too`` (muster's own data dir, made by an older
+    muster that did not restrict it)."""
     if not path.is_dir():
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
         path.chmod(0o700)  # mkdir's mode is cut by the umask; 0700 is what we mean
+    elif existing_too:
+        _owner_only(path, 0o700)
     return path
+
+
+def _owner_only(path: Path, mode: int) -> None:
+    try:
+        st = path.stat()
+        if st.st_uid == os.getuid() and st.st_mode & 0o777 != mode:
+            path.chmod(mode)
+    except OSError:
+        pass  # not ours to change, or gone: the open that follows says what is wrong
 
 
 def _create_private_file(path: Path) -> None:
@@ -59,6 +72,7 @@ def _create_private_file(path: Path) -> None:
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
+        _owner_only(path, 0o600)  # an older muster's database: it holds the secrets too
         return
     os.fchmod(fd, 0o600)
     os.close(fd)
@@ -89,7 +103,8 @@ def make_engine(url: str | None = None, **kwargs: Any) -> Engine:
         ) from exc
     if parsed.get_backend_name() == "sqlite":
         if parsed.database and parsed.database != ":memory:" and "mode=memory" not in raw:
-            make_private_dir(Path(parsed.database).parent)
+            parent = Path(parsed.database).parent
+            make_private_dir(parent, existing_too=parent == data_dir())
             _create_private_file(Path(parsed.database))
         engine = create_engine(
             parsed, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000}, **kwargs

@@ -13,11 +13,12 @@ from __future__ import annotations
 import secrets
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from datetime import datetime
+from typing import Any, NamedTuple
 
 from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, defer
 
 from muster.errors import BadRequest, PlacementConflict, StoreUnavailable
 from muster.spec.job import JobSpec
@@ -87,12 +88,40 @@ class JobRepository(Repository):
             return load_job(s, job_id)
 
     def jobs(self, states: Iterable[JobState] | None = None) -> list[Job]:
-        """Jobs in submission order, optionally only those in ``states``."""
+        """Jobs in submission order, optionally only those in ``states``; without their
+        specs (``job`` has them), which a listing never shows."""
         with self.db.read() as s:
-            query = select(Job).order_by(Job.seq)
+            query = select(Job).options(defer(Job.spec, raiseload=True)).order_by(Job.seq)
             if states is not None:
                 query = query.where(Job.state.in_([st.value for st in states]))
             return list(s.scalars(query).all())
+
+    def job_summaries(self) -> list[JobSummary]:
+        """Every job's listing columns, in submission order: plain rows, no ORM objects
+        (GET /v1/jobs, polled by users and dashboards, stays cheap with many jobs)."""
+        with self.db.read() as s:
+            rows = s.execute(select(*_SUMMARY).order_by(Job.seq)).all()
+            return [JobSummary._make(row) for row in rows]
+
+    def queued(self) -> list[tuple[str, int, str | None]]:
+        """The queued jobs' (id, seq, bundle), in submission order: what a scheduler pass
+        reads each time (the specs are read once per job, with ``specs``)."""
+        with self.db.read() as s:
+            rows = s.execute(
+                select(Job.id, Job.seq, Job.bundle_sha256)
+                .where(Job.state == JobState.QUEUED.value)
+                .order_by(Job.seq)
+            ).all()
+            return [(str(i), int(q), b) for i, q, b in rows]
+
+    def specs(self, job_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+        """The stored specs (JSON, not validated) of ``job_ids``."""
+        found: dict[str, dict[str, Any]] = {}
+        with self.db.read() as s:
+            for chunk in _chunks(list(job_ids), WHY_PENDING_CHUNK):
+                for job_id, spec in s.execute(select(Job.id, Job.spec).where(Job.id.in_(chunk))):
+                    found[str(job_id)] = spec
+        return found
 
     def job_counts(self) -> dict[str, int]:
         """How many jobs are in each state."""
@@ -105,24 +134,8 @@ class JobRepository(Repository):
 
     def set_job_state(self, job_id: str, new: JobState, message: str = "") -> Job:
         """Move a job along its lifecycle; illegal moves raise IllegalTransition."""
-        now = utcnow()
         with self.db.transaction() as s:
-            job = load_job(s, job_id, lock=True)
-            check_job_transition(JobState(job.state), new)
-            job.state = new.value
-            if new is JobState.RUNNING:
-                job.started_at = now
-            if new.is_terminal:
-                # Members and workers are the gang lifecycle's to move (muster.gang): it
-                # cancels the unstarted members and releases each worker when its
-                # member's processes are known gone.
-                job.finished_at = now
-            if new is JobState.FAILED and message:
-                job.root_cause = message
-            add_event(
-                s, f"Job{new.value.capitalize()}", message or f"job is {new.value}", job=job_id
-            )
-            return job
+            return job_state_in(s, job_id, new, message)
 
     def set_why_pending(self, job_id: str, reason: str | None) -> None:
         with self.db.transaction() as s:
@@ -136,13 +149,15 @@ class JobRepository(Repository):
         """Set many jobs' why_pending at once; returns how many changed.
 
         Reads the current values first (no write lock) and, only when some differ, writes
-        those in one transaction, with an "Unplaceable" event for each new reason, as
-        ``set_why_pending`` does. Ids of jobs that do not exist are skipped.
+        those in one transaction, with an "Unplaceable" event when the kind of a reason
+        changes (its first clause: counts inside it move every pass). Ids of jobs that do
+        not exist are skipped.
         """
         if not _why_pending_changes(self._why_pending(reasons), reasons):
             return 0
         with self.db.transaction() as s:
-            changes = _why_pending_changes(_read_why_pending(s, reasons), reasons)
+            previous = _read_why_pending(s, reasons)
+            changes = _why_pending_changes(previous, reasons)
             by_reason: dict[str | None, list[str]] = {}
             for job_id, reason in changes.items():
                 by_reason.setdefault(reason, []).append(job_id)
@@ -155,7 +170,9 @@ class JobRepository(Repository):
                         .execution_options(synchronize_session=False)
                     )
             for job_id, reason in changes.items():
-                if reason:
+                # An event when the kind of reason changes (its first clause), not each time
+                # a count in it moves: the column always holds the latest words.
+                if reason and _gist(reason) != _gist(previous.get(job_id)):
                     add_event(s, "Unplaceable", reason, job=job_id)
             return len(changes)
 
@@ -173,60 +190,22 @@ class JobRepository(Repository):
         ``worker_ids[r]`` becomes node rank r. Raises PlacementConflict, changing nothing,
         when the job is no longer queued or any worker is no longer idle.
         """
-        if len(set(worker_ids)) != len(worker_ids):
-            raise BadRequest(f"a gang needs distinct workers, got {list(worker_ids)}")
-        now = utcnow()
         with self.db.transaction() as s:
-            job = load_job(s, job_id, lock=True)
-            if job.state != JobState.QUEUED.value:
-                raise PlacementConflict(f"job {job_id} is {job.state}, not queued")
-            # Lock the rows in one global order first, so racing reservations queue on
-            # PostgreSQL instead of deadlocking (SQLite already serializes writers).
-            s.execute(
-                select(Worker.id)
-                .where(Worker.id.in_(worker_ids))
-                .order_by(Worker.id)
-                .with_for_update()
-            ).all()
-            taken = s.execute(
-                update(Worker)
-                .where(Worker.id.in_(worker_ids), Worker.state == WorkerState.IDLE.value)
-                .values(state=WorkerState.RESERVED.value, job_id=job_id)
-                .execution_options(synchronize_session=False)
-            )
-            if taken.rowcount != len(worker_ids):  # type: ignore[attr-defined]
-                raise PlacementConflict(
-                    f"job {job_id}: only {taken.rowcount} of {len(worker_ids)} "  # type: ignore[attr-defined]
-                    "workers were still idle; the scheduler will try again"
-                )
-            last = s.scalar(select(func.max(GangEpoch.number)).where(GangEpoch.job_id == job_id))
-            epoch = GangEpoch(
-                job_id=job_id, number=(last or 0) + 1, path_class=path_class, created_at=now
-            )
-            s.add(epoch)
-            s.flush()
-            workers = {w.id: w for w in s.scalars(select(Worker).where(Worker.id.in_(worker_ids)))}
-            for rank, wid in enumerate(worker_ids):
-                s.add(
-                    Member(
-                        epoch_id=epoch.id,
-                        job_id=job_id,
-                        node_rank=rank,
-                        worker_id=wid,
-                        state=MemberState.PENDING.value,
-                        advertise_address=workers[wid].advertise_address,
-                    )
-                )
-            job.state, job.path_class, job.why_pending = JobState.PLACING.value, path_class, None
-            add_event(
-                s,
-                "Placed",
-                f"epoch {epoch.number}: {len(worker_ids)} workers on the {path_class} path: "
-                + ", ".join(f"node{r}={w}" for r, w in enumerate(worker_ids)),
-                job=job_id,
-                data={"epoch": epoch.number, "workers": list(worker_ids), "path": path_class},
-            )
-            return epoch
+            return _reserve_in(s, job_id, worker_ids, path_class)
+
+    def reserve_placements(
+        self, placements: Sequence[tuple[str, Sequence[str], str]]
+    ) -> dict[str, GangEpoch | PlacementConflict]:
+        """Several (job, workers, path) reservations in one transaction: each one all or
+        nothing, a conflict in one leaving the others standing."""
+        results: dict[str, GangEpoch | PlacementConflict] = {}
+        with self.db.transaction() as s:
+            for job_id, worker_ids, path_class in placements:
+                try:
+                    results[job_id] = _reserve_in(s, job_id, worker_ids, path_class)
+                except PlacementConflict as exc:
+                    results[job_id] = exc
+        return results
 
     def members(self, job_id: str, epoch_number: int | None = None) -> list[Member]:
         """The members of the job's latest (or given) epoch, by node rank."""
@@ -279,12 +258,7 @@ class JobRepository(Repository):
     def set_epoch_rendezvous(self, job_id: str, epoch_number: int, addr: str, port: int) -> None:
         """Record node 0's published rendezvous address on the epoch."""
         with self.db.transaction() as s:
-            epoch = s.scalars(
-                select(GangEpoch).where(
-                    GangEpoch.job_id == job_id, GangEpoch.number == epoch_number
-                )
-            ).one()
-            epoch.master_addr, epoch.master_port = addr, port
+            rendezvous_in(s, job_id, epoch_number, addr, port)
 
     def set_member_state(
         self,
@@ -296,44 +270,148 @@ class JobRepository(Repository):
         signal: str | None = None,
         path_address: str | None = None,
     ) -> Member:
-        """Move the latest epoch's member ``node_rank``; a terminal member frees its worker."""
-        now = utcnow()
+        """Move the latest epoch's member ``node_rank`` (a terminal one stays as it is)."""
         with self.db.transaction() as s:
-            member = s.scalars(
-                select(Member)
-                .join(GangEpoch, Member.epoch_id == GangEpoch.id)
-                .where(Member.job_id == job_id, Member.node_rank == node_rank)
-                .order_by(GangEpoch.number.desc())
-                .limit(1)
-            ).one()
-            current = MemberState(member.state)
-            if current.is_terminal:
-                return member
-            check_member_transition(current, state)
-            member.state = state.value
-            if exit_code is not None:
-                member.exit_code = exit_code
-            if signal is not None:
-                member.signal = signal
-            if path_address is not None:
-                member.path_address = path_address
-            if state is MemberState.ASSIGNED:
-                member.assigned_at = now
-            elif state is MemberState.RUNNING:
-                member.started_at = now
-                s.execute(
-                    update(Worker)
-                    .where(Worker.id == member.worker_id, Worker.job_id == job_id)
-                    .values(state=WorkerState.BUSY.value)
-                )
-            if state.is_terminal:
-                member.finished_at = now
-            return member
+            return member_state_in(s, job_id, node_rank, state, exit_code, signal, path_address)
 
     def release_worker(self, worker_id: str, job_id: str) -> None:
         """The agent reported that nothing of ``job_id`` runs on the worker any more."""
         with self.db.transaction() as s:
             _release(s, worker_id, job_id)
+
+
+# ---- the writes themselves, inside a caller's transaction (see also muster.store.writes) ---
+
+
+def _reserve_in(s: Session, job_id: str, worker_ids: Sequence[str], path_class: str) -> GangEpoch:
+    """One reservation inside the caller's transaction; checks everything before it
+    changes anything, so a PlacementConflict leaves no trace."""
+    if len(set(worker_ids)) != len(worker_ids):
+        raise BadRequest(f"a gang needs distinct workers, got {list(worker_ids)}")
+    now = utcnow()
+    job = load_job(s, job_id, lock=True)
+    if job.state != JobState.QUEUED.value:
+        raise PlacementConflict(f"job {job_id} is {job.state}, not queued")
+    # Lock the rows in one global order first, so racing reservations queue on PostgreSQL
+    # instead of deadlocking (SQLite already serializes writers).
+    states = dict(
+        s.execute(
+            select(Worker.id, Worker.state)
+            .where(Worker.id.in_(worker_ids))
+            .order_by(Worker.id)
+            .with_for_update()
+        ).all()
+    )
+    idle = sum(1 for w in worker_ids if states.get(w) == WorkerState.IDLE.value)
+    if idle != len(worker_ids):
+        raise PlacementConflict(
+            f"job {job_id}: only {idle} of {len(worker_ids)} workers were still idle; "
+            "the scheduler will try again"
+        )
+    s.execute(
+        update(Worker)
+        .where(Worker.id.in_(worker_ids))
+        .values(state=WorkerState.RESERVED.value, job_id=job_id)
+        .execution_options(synchronize_session=False)
+    )
+    last = s.scalar(select(func.max(GangEpoch.number)).where(GangEpoch.job_id == job_id))
+    epoch = GangEpoch(job_id=job_id, number=(last or 0) + 1, path_class=path_class, created_at=now)
+    s.add(epoch)
+    s.flush()
+    addresses = {
+        str(wid): address
+        for wid, address in s.execute(
+            select(Worker.id, Worker.advertise_address).where(Worker.id.in_(worker_ids))
+        )
+    }
+    for rank, wid in enumerate(worker_ids):
+        s.add(
+            Member(
+                epoch_id=epoch.id,
+                job_id=job_id,
+                node_rank=rank,
+                worker_id=wid,
+                state=MemberState.PENDING.value,
+                advertise_address=addresses.get(wid),
+            )
+        )
+    job.state, job.path_class, job.why_pending = JobState.PLACING.value, path_class, None
+    add_event(
+        s,
+        "Placed",
+        f"epoch {epoch.number}: {len(worker_ids)} workers on the {path_class} path: "
+        + ", ".join(f"node{r}={w}" for r, w in enumerate(worker_ids)),
+        job=job_id,
+        data={"epoch": epoch.number, "workers": list(worker_ids), "path": path_class},
+    )
+    return epoch
+
+
+def job_state_in(s: Session, job_id: str, new: JobState, message: str = "") -> Job:
+    now = utcnow()
+    job = load_job(s, job_id, lock=True)
+    check_job_transition(JobState(job.state), new)
+    job.state = new.value
+    if new is JobState.RUNNING:
+        job.started_at = now
+    if new.is_terminal:
+        # Members and workers are the gang lifecycle's to move (muster.gang): it cancels
+        # the unstarted members and releases each worker when its member's processes are
+        # known gone.
+        job.finished_at = now
+    if new is JobState.FAILED and message:
+        job.root_cause = message
+    add_event(s, f"Job{new.value.capitalize()}", message or f"job is {new.value}", job=job_id)
+    return job
+
+
+def rendezvous_in(s: Session, job_id: str, epoch_number: int, addr: str, port: int) -> None:
+    epoch = s.scalars(
+        select(GangEpoch).where(GangEpoch.job_id == job_id, GangEpoch.number == epoch_number)
+    ).one()
+    epoch.master_addr, epoch.master_port = addr, port
+
+
+def member_state_in(
+    s: Session,
+    job_id: str,
+    node_rank: int,
+    state: MemberState,
+    exit_code: int | None = None,
+    signal: str | None = None,
+    path_address: str | None = None,
+) -> Member:
+    now = utcnow()
+    member = s.scalars(
+        select(Member)
+        .join(GangEpoch, Member.epoch_id == GangEpoch.id)
+        .where(Member.job_id == job_id, Member.node_rank == node_rank)
+        .order_by(GangEpoch.number.desc())
+        .limit(1)
+    ).one()
+    current = MemberState(member.state)
+    if current.is_terminal:
+        return member
+    check_member_transition(current, state)
+    member.state = state.value
+    if exit_code is not None:
+        member.exit_code = exit_code
+    if signal is not None:
+        member.signal = signal
+    if path_address is not None:
+        member.path_address = path_address
+    if state is MemberState.ASSIGNED:
+        member.assigned_at = now
+    elif state is MemberState.RUNNING:
+        member.started_at = now
+        s.execute(
+            update(Worker)
+            .where(Worker.id == member.worker_id, Worker.job_id == job_id)
+            .values(state=WorkerState.BUSY.value)
+        )
+    if state.is_terminal:
+        member.finished_at = now
+    return member
 
 
 def _read_why_pending(s: Session, job_ids: Iterable[str]) -> dict[str, str | None]:
@@ -343,6 +421,10 @@ def _read_why_pending(s: Session, job_ids: Iterable[str]) -> dict[str, str | Non
         rows = s.execute(select(Job.id, Job.why_pending).where(Job.id.in_(chunk)))
         current.update((job_id, why) for job_id, why in rows)
     return current
+
+
+def _gist(reason: str | None) -> str | None:
+    return reason.split(";", 1)[0] if reason else None
 
 
 def _why_pending_changes(
@@ -355,6 +437,35 @@ def _why_pending_changes(
 def _chunks(items: Sequence[str], size: int) -> Iterator[Sequence[str]]:
     for start in range(0, len(items), size):
         yield items[start : start + size]
+
+
+_SUMMARY = (
+    Job.id,
+    Job.name,
+    Job.state,
+    Job.priority,
+    Job.path_class,
+    Job.why_pending,
+    Job.root_cause,
+    Job.submitted_at,
+    Job.started_at,
+    Job.finished_at,
+)
+
+
+class JobSummary(NamedTuple):
+    """A job's listing columns (the same names as on ``Job``)."""
+
+    id: str
+    name: str
+    state: str
+    priority: int
+    path_class: str | None
+    why_pending: str | None
+    root_cause: str | None
+    submitted_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
 
 
 @dataclass(frozen=True)

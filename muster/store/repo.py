@@ -7,9 +7,12 @@ from muster.store.jobs import JobRepository
 from muster.store.records import RecordRepository
 from muster.store.retention import RetentionRepository
 from muster.store.workers import WorkerRepository
+from muster.store.writes import WriteRepository
 
 
-class Store(WorkerRepository, JobRepository, RecordRepository, RetentionRepository):
+class Store(
+    WorkerRepository, JobRepository, RecordRepository, RetentionRepository, WriteRepository
+):
     """muster's durable state, over SQLite or PostgreSQL."""
 
 

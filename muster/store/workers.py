@@ -62,7 +62,7 @@ class WorkerRepository(Repository):
                     row.state, row.job_id = WorkerState.BUSY.value, held_by
             elif draining:
                 row.state, row.job_id = WorkerState.BUSY.value, None
-            elif row.state == WorkerState.OFFLINE.value or row.job_id is None:
+            else:  # nothing of any job runs there, as the controller and the agent see it
                 row.state, row.job_id = WorkerState.IDLE.value, None
             return row
 

@@ -667,3 +667,41 @@ def test_a_gang_needs_distinct_workers(workers: tuple[str, ...]) -> None:
 )
 def test_root_cause_text(exited: MemberExited, cause: str) -> None:
     assert root_cause(2, "w2", exited) == cause
+
+
+def test_node0_that_cannot_prepare_the_rendezvous_fails_the_job() -> None:
+    """The agent's answer to PREPARE_RENDEZVOUS when it cannot pick a port: node 0 never
+    ran anything, the job fails at once naming it, and every worker goes back."""
+    run = run_through(RENDEZVOUS)
+    no_port = MemberExited(0, 127, tail=("muster agent: cannot pick a rendezvous port: x",))
+    run, actions = step(run, no_port, 1.0)
+    assert run.phase is P.FAILED
+    assert "node0 (worker w0): torchrun exited with code 127" in run.reason
+    assert "(preparing the rendezvous)" in run.reason
+    assert {a.worker for a in actions if isinstance(a, ReleaseWorker)} == set(W)
+    assert not [a for a in actions if isinstance(a, SendStop)]  # nothing was assigned
+
+
+def test_a_node0_that_never_publishes_fails_the_job_after_the_rendezvous_timeout() -> None:
+    run = run_through((Placed("job1", 1, W, PathClass.PRIVATE, master_addr="10.0.0.1"),))
+    run, actions = step(run, Tick(), 119.0)
+    assert run.phase is P.RENDEZVOUS
+    assert actions == ()
+    run, _ = step(run, Tick(), 121.0)
+    assert run.phase is P.FAILED
+    assert "did not publish its rendezvous address within 120s" in run.reason
+
+
+def test_an_alive_member_the_store_never_saw_assigned_is_taken_as_running() -> None:
+    """The controller stopped between sending ASSIGN and recording it: after the restart the
+    agent says the member runs; it is taken as assigned and started, not ignored."""
+    snapshots = [MemberSnapshot(w, M.PENDING) for w in W]
+    run = GangRun.restore(
+        "job1", 1, PathClass.PRIVATE, J.RENDEZVOUS, snapshots, published=("10.0.0.1", 29500)
+    )
+    run, _ = step(run, ControllerRestarted(100.0), 0.0)
+    for node, worker in enumerate(W):
+        report = MemberReport("job1", 1, node)
+        run, _ = step(run, LinkBack(worker, (report,)), 1.0)
+    assert run.phase is P.RUNNING
+    assert all(m.assigned and m.started for m in run.members)

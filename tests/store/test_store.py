@@ -254,3 +254,30 @@ def test_set_why_pending_many_takes_no_write_lock_when_nothing_changes(
         t0 = time.monotonic()
         assert store.set_why_pending_many(jobs) == 0
         assert time.monotonic() - t0 < 2
+
+
+def test_a_pass_reserves_every_gang_in_one_go_and_a_conflict_spoils_only_its_own(
+    store: Store,
+) -> None:
+    ids = add_workers(store, 5)
+    jobs = [store.submit_job(gang(2)).id for _ in range(3)]
+    got = store.reserve_placements(
+        [
+            (jobs[0], ids[0:2], "private"),
+            (jobs[1], ids[1:3], "private"),  # w01 is taken by the first: a conflict
+            (jobs[2], ids[3:5], "private"),
+        ]
+    )
+    assert not isinstance(got[jobs[0]], PlacementConflict)
+    assert isinstance(got[jobs[1]], PlacementConflict)
+    assert not isinstance(got[jobs[2]], PlacementConflict)
+    states = {w.id: w.state for w in store.workers()}
+    assert states == {
+        "w00": WorkerState.RESERVED,
+        "w01": WorkerState.RESERVED,
+        "w02": WorkerState.IDLE,  # nothing of the spoiled reservation is left
+        "w03": WorkerState.RESERVED,
+        "w04": WorkerState.RESERVED,
+    }
+    assert [store.job(j).state for j in jobs] == ["placing", "queued", "placing"]
+    assert store.members(jobs[1]) == []
