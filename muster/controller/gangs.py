@@ -81,6 +81,7 @@ SUPPORTED_PATHS = frozenset({PathClass.PRIVATE})
 RESTART_GRACE_HEARTBEATS = 3  # after a restart, runs wait this many heartbeat timeouts
 _SENDS = (SendPrepareRendezvous, SendAssign, SendStop)
 PASS_GATHER_S = 0.01  # a pass waits this long after the first request, to take the others
+PASS_GATHER_MOST_S = 0.2
 IDLE_PASS_EVERY_S = 5.0  # with nothing asked, a pass (why-pending, gauges) this often
 
 
@@ -117,6 +118,7 @@ class Controller:
         self.writer = StoreWriter(store, metrics, self._flushed)
         self._specs: dict[str, JobSpec] = {}  # queued jobs' parsed specs
         self._pass_wanted = True
+        self.last_pass_took = 0.0
         self._consumers: dict[str, asyncio.Task[None]] = {}  # worker id -> its link's consumer
         self.exiting = False  # set when the controller stops: links going down lose nobody
 
@@ -253,21 +255,27 @@ class Controller:
         Runs for the controller's life: a step that fails is logged with its traceback,
         counted in muster_internal_errors_total{loop="supervise"}, and the loop goes on.
         """
-        last_pass = 0.0
+        last_pass = last_tick = 0.0
+        pass_took = 0.0
         while True:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), tick)
             if self._wake.is_set():
-                # Let the requests of a burst (a gang's members ending together) gather
-                # into one pass.
-                await asyncio.sleep(PASS_GATHER_S)
+                # Let the requests of a burst gather into one pass; a pass waits at least
+                # as long as the last one took, so passes never take more than about half
+                # of the controller while frames wait (each pass places all it can).
+                await asyncio.sleep(min(max(PASS_GATHER_S, pass_took), PASS_GATHER_MOST_S))
             self._wake.clear()
-            parts: list[Callable[[], Awaitable[None]]] = [self._check_links, self._tick_runs]
             now = time.monotonic()
+            parts: list[Callable[[], Awaitable[None]]] = []
+            if now - last_tick >= tick:
+                last_tick = now
+                parts += [self._check_links, self._tick_runs]
             if self._pass_wanted or now - last_pass > IDLE_PASS_EVERY_S:
                 self._pass_wanted = False
                 last_pass = now
-                parts += [self.scheduler_pass, self._gauges]
+                parts += [self._timed_pass, self._gauges]
+            pass_took = self.last_pass_took
             for part in parts:
                 try:
                     await part()
@@ -276,6 +284,13 @@ class Controller:
                 except Exception:
                     self.metrics.internal_errors.labels("supervise").inc()
                     log.exception("supervision step %s failed; going on", part.__name__)
+
+    async def _timed_pass(self) -> None:
+        started = time.monotonic()
+        try:
+            await self.scheduler_pass()
+        finally:
+            self.last_pass_took = time.monotonic() - started
 
     async def _check_links(self) -> None:
         now = time.monotonic()

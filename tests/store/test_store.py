@@ -15,6 +15,7 @@ from muster.errors import IllegalTransition, NotFound, PlacementConflict, SpecEr
 from muster.spec import JobState, MemberState, WorkerState
 from muster.store import LogLineIn, Store, open_store
 from muster.store.models import Job, Member, Worker
+from muster.store.writes import EventWrite, JobStateWrite, MemberStateWrite, ReleaseWrite
 from tests.scheduler.workers import gang, worker
 from tests.store.locks import held_write_lock
 
@@ -281,3 +282,31 @@ def test_a_pass_reserves_every_gang_in_one_go_and_a_conflict_spoils_only_its_own
     }
     assert [store.job(j).state for j in jobs] == ["placing", "queued", "placing"]
     assert store.members(jobs[1]) == []
+
+
+def test_group_commit_keeps_order_and_a_refused_write_spoils_nothing(store: Store) -> None:
+    ids = add_workers(store, 2)
+    job = store.submit_job(gang(2)).id
+    store.reserve_placement(job, ids, "private")
+    skipped = store.apply_writes(
+        [
+            JobStateWrite(job, JobState.RENDEZVOUS, "waiting for node0"),
+            MemberStateWrite(job, 0, MemberState.ASSIGNED, path_address="10.0.0.1"),
+            EventWrite("Assigned", "node0 assigned", job),
+            MemberStateWrite(job, 1, MemberState.SUCCEEDED),  # pending -> succeeded: refused
+            JobStateWrite(job, JobState.SUCCEEDED),  # rendezvous -> succeeded: refused
+            MemberStateWrite(job, 1, MemberState.CANCELLED),
+            ReleaseWrite(ids[1], job),
+            EventWrite("Note", "last", job),
+        ]
+    )
+    assert len(skipped) == 2
+    assert all(problem.startswith(("MemberStateWrite", "JobStateWrite")) for problem in skipped)
+    assert store.job(job).state == "rendezvous"
+    members = store.members(job)
+    assert [m.state for m in members] == ["assigned", "cancelled"]
+    assert members[0].path_address == "10.0.0.1"
+    assert members[0].assigned_at is not None
+    assert {w.id: w.state for w in store.workers()}[ids[1]] is WorkerState.IDLE
+    kinds = [e.kind for e in store.events(job)]
+    assert kinds.index("JobRendezvous") < kinds.index("Assigned") < kinds.index("Note")
