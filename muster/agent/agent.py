@@ -290,7 +290,11 @@ class Agent:
             try:
                 async for message in ws:
                     self.last_heard = time.monotonic()
-                    await self._on_frame(codec.decode(_bytes(message)))
+                    frame = codec.decode(_bytes(message))
+                    try:
+                        await self._on_frame(frame)
+                    except (KeyError, TypeError, ValueError) as exc:  # a bad body: skip it
+                        log.warning("a %s frame with a bad body: %r", frame.kind.name, exc)
                 for task in tasks:  # the heartbeat task may have ended the link: say why
                     if task.done() and not task.cancelled() and task.exception() is not None:
                         raise task.exception()  # type: ignore[misc]
@@ -341,7 +345,9 @@ class Agent:
     async def _forget_settled(self) -> None:
         forgot = False
         for job, member in list(self.members.items()):
-            if member.settled:
+            # Called from the reader, a member's task and a new link's set-up: only the
+            # first to see it settled forgets it.
+            if member.settled and self.members.get(job) is member:
                 del self.members[job]
                 await member.http.aclose()
                 forgot = True
@@ -385,7 +391,8 @@ class Agent:
         if frame.kind is Kind.REPORT_ACK:
             member = self.members.get(str(body.get("job")))
             if member is not None and body.get("epoch") == member.epoch:
-                member.acked(Kind(int(body.get("report", 0))))
+                with contextlib.suppress(TypeError, ValueError):  # not a kind it knows
+                    member.acked(Kind(int(body.get("report", 0))))
                 await self._forget_settled()
         elif frame.kind is Kind.LOGS_ACK:
             self.shipper.unacked.pop(int(body.get("batch") or 0), None)

@@ -86,9 +86,10 @@ def create_app(config: ControllerConfig) -> FastAPI:
             yield
         finally:
             controller.exiting = True  # the links that close now are not hosts lost
-            await controller.writer.drain()
-            for task in tasks:
+            for task in tasks[1:]:  # supervision and ingest first: nothing new is decided
                 task.cancel()
+            await controller.writer.drain()
+            tasks[0].cancel()
             for link in list(controller.links.values()):
                 await link.close(1001)
             await asyncio.to_thread(lease.release)

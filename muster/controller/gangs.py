@@ -121,6 +121,7 @@ class Controller:
         self.last_pass_took = 0.0
         self._consumers: dict[str, asyncio.Task[None]] = {}  # worker id -> its link's consumer
         self.exiting = False  # set when the controller stops: links going down lose nobody
+        self._closing: set[asyncio.Task[None]] = set()
 
     async def db(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run a store call off the event loop."""
@@ -301,7 +302,10 @@ class Controller:
                     f"no heartbeat for {now - link.last_seen:.0f}s "
                     f"(timeout {self.heartbeat_timeout:.0f}s)",
                 )
-                await link.close(1011)
+                # Closing a silent peer takes a moment: not in the supervision loop.
+                task = asyncio.create_task(_close_quietly(link))
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
 
     async def _tick_runs(self) -> None:
         """Job timeouts and the grace after a restart are the runs' clock."""
@@ -320,10 +324,14 @@ class Controller:
     async def scheduler_pass(self) -> None:
         async with self.lock:
             started = time.perf_counter()
+            if self.exiting:
+                return  # the links are closing: nothing placed now could be started
             queued = await self.db(self.store.queued)
             if not queued:
                 return
-            views = await self.db(self.store.workers)
+            # Only workers with a live link: a lost one may still read idle until the group
+            # commit of its OFFLINE lands.
+            views = [v for v in await self.db(self.store.workers) if v.inventory.id in self.links]
             new = [job_id for job_id, _seq, _bundle in queued if job_id not in self._specs]
             stored = await self.db(self.store.specs, new) if new else {}
             jobs = []
@@ -374,19 +382,31 @@ class Controller:
                 entry = RunEntry(GangRun(), spec, list(outcome.members), bundles[job_id])
                 self.runs[job_id] = entry
                 self.logs.note_senders(job_id, list(outcome.worker_ids))
-                planned = gang_addressing(outcome.path, entry.inventories, 0)
-                await self._step(
-                    entry,
-                    Placed(
-                        job=job_id,
-                        epoch=epoch.number,
-                        workers=tuple(outcome.worker_ids),
-                        path=outcome.path,
-                        port=spec.gang.rendezvous.port,
-                        timeout=spec.timeout or None,
-                        master_addr=planned.master_addr,
-                    ),
-                )
+                try:
+                    planned = gang_addressing(outcome.path, entry.inventories, 0)
+                    await self._step(
+                        entry,
+                        Placed(
+                            job=job_id,
+                            epoch=epoch.number,
+                            workers=tuple(outcome.worker_ids),
+                            path=outcome.path,
+                            port=spec.gang.rendezvous.port,
+                            timeout=spec.timeout or None,
+                            master_addr=planned.master_addr,
+                        ),
+                    )
+                except Exception as exc:  # one gang's trouble does not strand the others
+                    self.metrics.internal_errors.labels("supervise").inc()
+                    log.exception("job %s: starting its placed gang failed", job_id)
+                    if not entry.gang.members:  # never stepped: give its workers back
+                        del self.runs[job_id]
+                        self.writer.submit(
+                            [
+                                JobStateWrite(job_id, JobState.FAILED, f"starting the gang: {exc}"),
+                                *(ReleaseWrite(w, job_id) for w in outcome.worker_ids),
+                            ]
+                        )
             if pending:
                 # One transaction, and only the reasons that changed are written.
                 await self.db(self.store.set_why_pending_many, pending)
@@ -587,6 +607,7 @@ class Controller:
 
     async def cancel(self, job_id: str) -> None:
         async with self.lock:
+            await self.writer.barrier()  # a run that just ended is on record before we read
             job = await self.db(self.store.job, job_id)
             state = JobState(job.state)
             if state.is_terminal:
@@ -624,6 +645,7 @@ class Controller:
         del self.links[link.worker_id]
         self.tickets.revoke(link.ticket)
         self.metrics.agents.set(len(self.links))
+        link.abandon()
         await link.inbox.put(LinkEnded(why, controller_exiting))
 
     async def _link_ended(self, link: Link, end: LinkEnded) -> None:
@@ -652,6 +674,10 @@ class Controller:
                 ]
             )
         self.request_pass()
+
+
+async def _close_quietly(link: Link) -> None:
+    await link.close(1011)
 
 
 def _exited(node: int, body: dict[str, Any]) -> MemberExited:

@@ -105,12 +105,18 @@ class Link:
             async with asyncio.timeout(timeout):
                 await self._outbox.join()
 
+    def abandon(self) -> None:
+        """The link is gone (its reader ended): nothing more is sent on it."""
+        self.closed = True
+        if self._pump is not None:
+            self._pump.cancel()
+
     async def close(self, code: int = 1000) -> None:
         """Close the link (what was queued goes first, within a second); never raises."""
         if not self.closed:
             await self.flush()
             self.closed = True
-            await _close(self.ws, code)
+        await _close(self.ws, code)
         if self._pump is not None:
             self._pump.cancel()
 

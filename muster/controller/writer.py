@@ -30,79 +30,105 @@ class StoreWriter:
         self.store = store
         self.metrics = metrics
         self.flushed = flushed  # called after each commit with what it held
-        self._queue: list[tuple[Write | None, asyncio.Future[None] | None]] = []
+        # Whole submissions (a step's writes stay together in one transaction), in order.
+        self._queue: list[tuple[list[Write], asyncio.Future[None]]] = []
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
 
     def submit(self, writes: Sequence[Write]) -> asyncio.Future[None]:
-        """Queue ``writes``; the future is done once they are committed."""
+        """Queue ``writes``; the future is done once they, and everything queued before
+        them, are committed (it fails if they could not be)."""
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        if not writes:
+        if not writes and not self._queue and self._idle.is_set():
             done.set_result(None)
             return done
-        for write in writes[:-1]:
-            self._queue.append((write, None))
-        self._queue.append((writes[-1], done))
+        self._queue.append((list(writes), done))
         self._idle.clear()
         self._wake.set()
         return done
 
     def barrier(self) -> asyncio.Future[None]:
-        """Done once everything queued so far is committed (a direct store write that must
-        not be overtaken by an older queued one waits for it)."""
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        if not self._queue and self._idle.is_set():
-            done.set_result(None)
-            return done
-        self._queue.append((None, done))
-        self._idle.clear()
-        self._wake.set()
-        return done
+        """Done once everything queued so far is committed."""
+        return self.submit([])
 
     async def drain(self, timeout: float = 10.0) -> None:
         """Wait (bounded) until everything queued is committed: a clean stop."""
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
         except TimeoutError:
-            log.error("%d store writes were still queued at the stop", len(self._queue))
+            log.error("%d store submissions were still queued at the stop", len(self._queue))
 
     async def run(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            while self._queue:
-                batch = self._queue[:MOST_PER_TRANSACTION]
-                writes = [w for w, _ in batch if w is not None]
-                attempt = 0
-                while True:
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                while self._queue:
+                    batch = self._take()
+                    await self._commit(batch)
                     try:
-                        skipped = (
-                            await asyncio.to_thread(self.store.apply_writes, writes)
-                            if writes
-                            else []
-                        )
-                        break
-                    except asyncio.CancelledError:
-                        raise
-                    except StoreUnavailable as exc:
-                        attempt += 1
-                        self.metrics.internal_errors.labels("writer").inc()
-                        log.warning("the database is away (%s); retrying (%d)", exc, attempt)
-                        await asyncio.sleep(min(2.0**attempt, 10.0))
-                    except Exception as exc:
-                        self.metrics.internal_errors.labels("writer").inc()
-                        log.exception("a batch of %d store writes failed; dropped", len(writes))
-                        skipped = [f"the whole batch: {exc}"]
-                        break
-                del self._queue[: len(batch)]
-                for problem in skipped:
-                    log.warning("a store write was skipped: %s", problem)
-                for _write, done in batch:
-                    if done is not None and not done.done():
-                        done.set_result(None)
-                try:
-                    self.flushed(writes)
-                except Exception:
-                    log.exception("after a commit")
-            self._idle.set()
+                        self.flushed([w for writes, _ in batch for w in writes])
+                    except Exception:
+                        log.exception("after a commit")
+                self._idle.set()
+        finally:
+            for _writes, done in self._queue:  # cancelled at the stop: say so to waiters
+                if not done.done():
+                    done.set_exception(RuntimeError("the controller stopped before the commit"))
+
+    def _take(self) -> list[tuple[list[Write], asyncio.Future[None]]]:
+        """Submissions up to about MOST_PER_TRANSACTION writes, never splitting one."""
+        count, end = 0, 0
+        while end < len(self._queue) and (end == 0 or count < MOST_PER_TRANSACTION):
+            count += len(self._queue[end][0])
+            end += 1
+        batch = self._queue[:end]
+        del self._queue[:end]
+        return batch
+
+    async def _commit(self, batch: list[tuple[list[Write], asyncio.Future[None]]]) -> None:
+        writes = [w for ws, _ in batch for w in ws]
+        attempt = 0
+        while True:
+            try:
+                skipped = await asyncio.to_thread(self.store.apply_writes, writes) if writes else []
+                break
+            except asyncio.CancelledError:
+                raise
+            except StoreUnavailable as exc:
+                attempt += 1
+                self.metrics.internal_errors.labels("writer").inc()
+                log.warning("the database is away (%s); retrying (%d)", exc, attempt)
+                await asyncio.sleep(min(2.0**attempt, 10.0))
+            except Exception:
+                # Not the database being away: find the submission that fails, alone.
+                self.metrics.internal_errors.labels("writer").inc()
+                log.exception(
+                    "a batch of %d store writes failed; trying each step alone", len(writes)
+                )
+                await self._commit_one_by_one(batch)
+                return
+        for problem in skipped:
+            log.warning("a store write was skipped: %s", problem)
+        for _writes, done in batch:
+            if not done.done():
+                done.set_result(None)
+
+    async def _commit_one_by_one(
+        self, batch: list[tuple[list[Write], asyncio.Future[None]]]
+    ) -> None:
+        for writes, done in batch:
+            try:
+                if writes:
+                    await asyncio.to_thread(self.store.apply_writes, writes)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.metrics.internal_errors.labels("writer").inc()
+                log.exception("a step's %d store writes failed and are lost", len(writes))
+                if not done.done():
+                    done.set_exception(exc)
+                continue
+            if not done.done():
+                done.set_result(None)

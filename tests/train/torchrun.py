@@ -11,17 +11,29 @@ from muster.cli.local import local_torchrun
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# torch 2.x with gloo: a rank sometimes aborts while the interpreter shuts down, after its
+# work and destroy_process_group are done (a C++ worker thread still joinable at exit:
+# "terminate called without an active exception", SIGABRT). Seen about once in a few dozen
+# full runs here; see pytorch/pytorch#190489 and #179291. Such a run is tried once more; any
+# other failure, or this one twice, fails the test.
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
 def torchrun(script: Path, *args: str, nproc: int = 2, timeout: float = 180) -> str:
     """Run ``script`` on ``nproc`` local ranks; returns stdout, fails with stderr's tail."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    done = subprocess.run(
-        local_torchrun(script, *args, nproc=nproc),
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    for attempt in range(2):
+        done = subprocess.run(
+            local_torchrun(script, *args, nproc=nproc),
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        if done.returncode == 0 or TEARDOWN_ABORT not in done.stderr or attempt == 1:
+            break
+        print(f"torch aborted at teardown ({TEARDOWN_ABORT!r}); running once more")
     # A rank's own error comes first, torchrun's summary last: show both ends.
     shown = (
         done.stderr
