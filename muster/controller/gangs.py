@@ -329,87 +329,94 @@ class Controller:
             queued = await self.db(self.store.queued)
             if not queued:
                 return
-            # Only workers with a live link: a lost one may still read idle until the group
-            # commit of its OFFLINE lands.
-            views = [v for v in await self.db(self.store.workers) if v.inventory.id in self.links]
-            new = [job_id for job_id, _seq, _bundle in queued if job_id not in self._specs]
-            stored = await self.db(self.store.specs, new) if new else {}
-            jobs = []
-            for job_id, seq, _bundle in queued:
-                spec = self._specs.get(job_id)
-                if spec is None:  # validated once: a stored spec never changes
-                    try:
-                        spec = self._specs[job_id] = JobSpec.model_validate(
-                            stored[job_id], strict=False
-                        )
-                    except ValueError as exc:  # pydantic's ValidationError is a ValueError
-                        # A stored spec this version no longer accepts: fail that job, place
-                        # the others (it used to stop all placement).
-                        await self.db(
-                            self.store.set_job_state,
-                            job_id,
-                            JobState.FAILED,
-                            f"the stored spec no longer validates ({_first_line(exc)}); "
-                            "fix it and submit the job again",
-                        )
-                        continue
-                jobs.append(QueuedJob(job_id, spec, seq))
-            for gone in self._specs.keys() - {job_id for job_id, _s, _b in queued}:
-                del self._specs[gone]  # cancelled while queued
-            specs = {j.id: j.spec for j in jobs}
-            bundles = {job_id: bundle for job_id, _seq, bundle in queued}
-            pending: dict[str, str | None] = {}
-            placements: dict[str, Placement] = {}
-            for decision in schedule(jobs, PoolIndex(views), SUPPORTED_PATHS):
-                outcome = decision.outcome
-                if isinstance(outcome, Placement):
-                    placements[decision.job_id] = outcome
-                else:
-                    pending[decision.job_id] = outcome.reason
-            # Every gang of the pass reserved in one transaction (each all or nothing).
-            reserved = await self.db(
-                self.store.reserve_placements,
-                [(job_id, p.worker_ids, p.path.value) for job_id, p in placements.items()],
-            )
-            for job_id, outcome in placements.items():
-                epoch = reserved[job_id]
-                if isinstance(epoch, PlacementConflict):
-                    log.info("placement lost a race: %s", epoch)
-                    continue
-                self.metrics.placement.observe(time.perf_counter() - started)
-                spec = specs[job_id]
-                self._specs.pop(job_id, None)
-                entry = RunEntry(GangRun(), spec, list(outcome.members), bundles[job_id])
-                self.runs[job_id] = entry
-                self.logs.note_senders(job_id, list(outcome.worker_ids))
+            try:
+                await self._place(queued, started)
+            finally:
+                self.metrics.scheduler_pass.observe(time.perf_counter() - started)
+
+    async def _place(self, queued: list[tuple[str, int, str | None]], started: float) -> None:
+        """One pass over a non-empty queue (the lock held)."""
+        # Only workers with a live link: a lost one may still read idle until the group
+        # commit of its OFFLINE lands.
+        views = [v for v in await self.db(self.store.workers) if v.inventory.id in self.links]
+        new = [job_id for job_id, _seq, _bundle in queued if job_id not in self._specs]
+        stored = await self.db(self.store.specs, new) if new else {}
+        jobs = []
+        for job_id, seq, _bundle in queued:
+            spec = self._specs.get(job_id)
+            if spec is None:  # validated once: a stored spec never changes
                 try:
-                    planned = gang_addressing(outcome.path, entry.inventories, 0)
-                    await self._step(
-                        entry,
-                        Placed(
-                            job=job_id,
-                            epoch=epoch.number,
-                            workers=tuple(outcome.worker_ids),
-                            path=outcome.path,
-                            port=spec.gang.rendezvous.port,
-                            timeout=spec.timeout or None,
-                            master_addr=planned.master_addr,
-                        ),
+                    spec = self._specs[job_id] = JobSpec.model_validate(
+                        stored[job_id], strict=False
                     )
-                except Exception as exc:  # one gang's trouble does not strand the others
-                    self.metrics.internal_errors.labels("supervise").inc()
-                    log.exception("job %s: starting its placed gang failed", job_id)
-                    if not entry.gang.members:  # never stepped: give its workers back
-                        del self.runs[job_id]
-                        self.writer.submit(
-                            [
-                                JobStateWrite(job_id, JobState.FAILED, f"starting the gang: {exc}"),
-                                *(ReleaseWrite(w, job_id) for w in outcome.worker_ids),
-                            ]
-                        )
-            if pending:
-                # One transaction, and only the reasons that changed are written.
-                await self.db(self.store.set_why_pending_many, pending)
+                except ValueError as exc:  # pydantic's ValidationError is a ValueError
+                    # A stored spec this version no longer accepts: fail that job, place
+                    # the others (it used to stop all placement).
+                    await self.db(
+                        self.store.set_job_state,
+                        job_id,
+                        JobState.FAILED,
+                        f"the stored spec no longer validates ({_first_line(exc)}); "
+                        "fix it and submit the job again",
+                    )
+                    continue
+            jobs.append(QueuedJob(job_id, spec, seq))
+        for gone in self._specs.keys() - {job_id for job_id, _s, _b in queued}:
+            del self._specs[gone]  # cancelled while queued
+        specs = {j.id: j.spec for j in jobs}
+        bundles = {job_id: bundle for job_id, _seq, bundle in queued}
+        pending: dict[str, str | None] = {}
+        placements: dict[str, Placement] = {}
+        for decision in schedule(jobs, PoolIndex(views), SUPPORTED_PATHS):
+            outcome = decision.outcome
+            if isinstance(outcome, Placement):
+                placements[decision.job_id] = outcome
+            else:
+                pending[decision.job_id] = outcome.reason
+        # Every gang of the pass reserved in one transaction (each all or nothing).
+        reserved = await self.db(
+            self.store.reserve_placements,
+            [(job_id, p.worker_ids, p.path.value) for job_id, p in placements.items()],
+        )
+        for job_id, outcome in placements.items():
+            epoch = reserved[job_id]
+            if isinstance(epoch, PlacementConflict):
+                log.info("placement lost a race: %s", epoch)
+                continue
+            self.metrics.placement.observe(time.perf_counter() - started)
+            spec = specs[job_id]
+            self._specs.pop(job_id, None)
+            entry = RunEntry(GangRun(), spec, list(outcome.members), bundles[job_id])
+            self.runs[job_id] = entry
+            self.logs.note_senders(job_id, list(outcome.worker_ids))
+            try:
+                planned = gang_addressing(outcome.path, entry.inventories, 0)
+                await self._step(
+                    entry,
+                    Placed(
+                        job=job_id,
+                        epoch=epoch.number,
+                        workers=tuple(outcome.worker_ids),
+                        path=outcome.path,
+                        port=spec.gang.rendezvous.port,
+                        timeout=spec.timeout or None,
+                        master_addr=planned.master_addr,
+                    ),
+                )
+            except Exception as exc:  # one gang's trouble does not strand the others
+                self.metrics.internal_errors.labels("supervise").inc()
+                log.exception("job %s: starting its placed gang failed", job_id)
+                if not entry.gang.members:  # never stepped: give its workers back
+                    del self.runs[job_id]
+                    self.writer.submit(
+                        [
+                            JobStateWrite(job_id, JobState.FAILED, f"starting the gang: {exc}"),
+                            *(ReleaseWrite(w, job_id) for w in outcome.worker_ids),
+                        ]
+                    )
+        if pending:
+            # One transaction, and only the reasons that changed are written.
+            await self.db(self.store.set_why_pending_many, pending)
 
     # ---- after a restart -----------------------------------------------------------------
 

@@ -18,6 +18,12 @@ class Metrics:
             registry=self.registry,
             buckets=(0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5),
         )
+        self.scheduler_pass = Histogram(
+            "muster_scheduler_pass_seconds",
+            "Whole scheduler passes over a non-empty queue, under the controller's lock",
+            registry=self.registry,
+            buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2, 5),
+        )
         self.log_lines = Counter(
             "muster_log_lines_ingested", "Log lines stored", registry=self.registry
         )
