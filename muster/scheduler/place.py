@@ -150,6 +150,8 @@ class GroupCache:
     def __init__(self, pool: PoolIndex) -> None:
         self.pool = pool
         self.needs: dict[Need, _NeedIndex] = {}
+        # (need, held kinds, pool version) -> why a gang of that need does not fit now
+        self.explained: dict[tuple[Need, frozenset[WorkerKind], int], Unplaceable] = {}
 
     @classmethod
     def of(cls, pool: PoolIndex) -> GroupCache:
@@ -273,7 +275,13 @@ def place_gang(
             f"yet (it sets up: {can}); the job waits for workers that share a private network",
             needs_path=blocked.path,
         )
-    return Unplaceable(*_explain(need, pool, index, exclude))
+    # Jobs of one need explained against the same pool get the same words: explain once.
+    cache = GroupCache.of(pool).explained
+    key = (need, exclude, pool.version)
+    found = cache.get(key)
+    if found is None:
+        found = cache[key] = Unplaceable(*_explain(need, pool, index, exclude))
+    return found
 
 
 def _pick(

@@ -84,6 +84,7 @@ class PoolIndex:
         self.inventory: dict[str, WorkerInventory] = {}
         self.kind_of: dict[str, WorkerKind] = {}
         self.not_idle: dict[WorkerState, int] = {}
+        self.version = 0  # moves on every take/give_back: what was explained before is stale
         views = [w if isinstance(w, WorkerView) else WorkerView(inventory=w) for w in workers]
         for view in sorted(views, key=lambda v: v.id):
             if view.state is WorkerState.IDLE:
@@ -115,6 +116,7 @@ class PoolIndex:
 
     def take(self, worker_ids: Iterable[str]) -> None:
         """Mark workers reserved: they leave the idle index."""
+        self.version += 1
         for wid in worker_ids:
             kind = self.kind_of[wid]
             slot = self.slots[kind]
@@ -124,6 +126,7 @@ class PoolIndex:
 
     def give_back(self, worker_ids: Iterable[str]) -> None:
         """Return reserved workers to the idle index (a placement that was not applied)."""
+        self.version += 1
         for wid in worker_ids:
             kind = self.kind_of[wid]
             slot = self.slots[kind]
