@@ -18,17 +18,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from muster.controller.auth import Tickets
 from muster.controller.ingest import LogIngest
 from muster.controller.links import Link, LinkEnded
 from muster.controller.metrics import Metrics
+from muster.controller.runs import RunEntry, rebuild_run
 from muster.controller.writer import StoreWriter
 from muster.errors import BadRequest, IllegalTransition, PlacementConflict
 from muster.gang import (
@@ -41,7 +40,6 @@ from muster.gang import (
     LinkLost,
     MemberExited,
     MemberReport,
-    MemberSnapshot,
     MemberStarted,
     OutputsStored,
     Placed,
@@ -57,7 +55,7 @@ from muster.gang import (
     Tick,
     step,
 )
-from muster.plan import GangAddressing, gang_addressing
+from muster.plan import gang_addressing
 from muster.scheduler import Placement, PoolIndex, QueuedJob, schedule
 from muster.spec import JobSpec, JobState, MemberState, PathClass, WorkerInventory, WorkerState
 from muster.store import Store
@@ -83,17 +81,6 @@ _SENDS = (SendPrepareRendezvous, SendAssign, SendStop)
 PASS_GATHER_S = 0.01  # a pass waits this long after the first request, to take the others
 PASS_GATHER_MOST_S = 0.2
 IDLE_PASS_EVERY_S = 5.0  # with nothing asked, a pass (why-pending, gauges) this often
-
-
-@dataclass
-class RunEntry:
-    """One tracked gang run (``muster.gang``) and what the controller needs to apply it."""
-
-    gang: GangRun
-    spec: JobSpec
-    inventories: list[WorkerInventory]
-    bundle: str | None
-    addressing: GangAddressing | None = None
 
 
 class Controller:
@@ -432,8 +419,7 @@ class Controller:
             for rec in records:
                 job_id = rec.job.id
                 try:
-                    spec = self.store.job_spec(rec.job)
-                    inventories = [views[m.worker_id] for m in rec.members]
+                    entry = rebuild_run(rec, views)
                 except (ValueError, KeyError) as exc:
                     await self.db(
                         self.store.set_job_state,
@@ -442,39 +428,6 @@ class Controller:
                         f"the controller restarted and could not rebuild the run: {exc}",
                     )
                     continue
-                path = PathClass(rec.epoch.path_class)
-                published = None
-                if rec.epoch.master_addr and rec.epoch.master_port:
-                    published = (rec.epoch.master_addr, rec.epoch.master_port)
-                created_at = rec.epoch.created_at
-                if created_at.tzinfo is None:  # SQLite gives naive datetimes; muster's are UTC
-                    created_at = created_at.replace(tzinfo=datetime.UTC)
-                created = created_at.timestamp()
-                gang = GangRun.restore(
-                    job_id,
-                    rec.epoch.number,
-                    path,
-                    JobState(rec.job.state),
-                    [
-                        MemberSnapshot(
-                            worker=m.worker_id,
-                            state=MemberState(m.state),
-                            exit_code=m.exit_code,
-                            outputs=True if m.node_rank in rec.outputs_stored else None,
-                            released=MemberState(m.state).is_terminal,
-                            assigned=m.assigned_at is not None,
-                        )
-                        for m in rec.members
-                    ],
-                    master_addr=gang_addressing(path, inventories, 0).master_addr,
-                    port=spec.gang.rendezvous.port,
-                    published=published,
-                    timeout=spec.timeout or None,
-                    deadline=created + spec.timeout if spec.timeout else None,
-                )
-                entry = RunEntry(gang, spec, inventories, rec.job.bundle_sha256)
-                if published is not None:
-                    entry.addressing = gang_addressing(path, inventories, published[1])
                 self.runs[job_id] = entry
                 self.logs.note_senders(job_id, [m.worker_id for m in rec.members])
                 await self._step(entry, ControllerRestarted(now + self.restart_grace))
