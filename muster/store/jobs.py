@@ -20,7 +20,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, defer
 
-from muster.errors import BadRequest, PlacementConflict, StoreUnavailable
+from muster.errors import PlacementConflict, StoreUnavailable
 from muster.spec.job import JobSpec
 from muster.spec.loader import parse_job
 from muster.spec.states import (
@@ -30,7 +30,9 @@ from muster.spec.states import (
     check_job_transition,
     check_member_transition,
 )
+from muster.store import hot
 from muster.store.base import Repository, add_event, load_job, utcnow
+from muster.store.hot import Reserved
 from muster.store.models import (
     Event,
     GangEpoch,
@@ -184,27 +186,34 @@ class JobRepository(Repository):
 
     def reserve_placement(
         self, job_id: str, worker_ids: Sequence[str], path_class: str
-    ) -> GangEpoch:
+    ) -> Reserved:
         """Take the gang's workers and open a new epoch, all in one transaction.
 
         ``worker_ids[r]`` becomes node rank r. Raises PlacementConflict, changing nothing,
         when the job is no longer queued or any worker is no longer idle.
         """
+        events: list[dict[str, Any]] = []
         with self.db.transaction() as s:
-            return _reserve_in(s, job_id, worker_ids, path_class)
+            conn = s.connection()
+            reserved = hot.reserve(conn, job_id, worker_ids, path_class, events)
+            hot.insert_events(conn, events)
+            return reserved
 
     def reserve_placements(
         self, placements: Sequence[tuple[str, Sequence[str], str]]
-    ) -> dict[str, GangEpoch | PlacementConflict]:
+    ) -> dict[str, Reserved | PlacementConflict]:
         """Several (job, workers, path) reservations in one transaction: each one all or
         nothing, a conflict in one leaving the others standing."""
-        results: dict[str, GangEpoch | PlacementConflict] = {}
+        results: dict[str, Reserved | PlacementConflict] = {}
+        events: list[dict[str, Any]] = []
         with self.db.transaction() as s:
+            conn = s.connection()
             for job_id, worker_ids, path_class in placements:
                 try:
-                    results[job_id] = _reserve_in(s, job_id, worker_ids, path_class)
+                    results[job_id] = hot.reserve(conn, job_id, worker_ids, path_class, events)
                 except PlacementConflict as exc:
                     results[job_id] = exc
+            hot.insert_events(conn, events)
         return results
 
     def members(self, job_id: str, epoch_number: int | None = None) -> list[Member]:
@@ -281,70 +290,6 @@ class JobRepository(Repository):
 
 
 # ---- the writes themselves, inside a caller's transaction (see also muster.store.writes) ---
-
-
-def _reserve_in(s: Session, job_id: str, worker_ids: Sequence[str], path_class: str) -> GangEpoch:
-    """One reservation inside the caller's transaction; checks everything before it
-    changes anything, so a PlacementConflict leaves no trace."""
-    if len(set(worker_ids)) != len(worker_ids):
-        raise BadRequest(f"a gang needs distinct workers, got {list(worker_ids)}")
-    now = utcnow()
-    job = load_job(s, job_id, lock=True)
-    if job.state != JobState.QUEUED.value:
-        raise PlacementConflict(f"job {job_id} is {job.state}, not queued")
-    # Lock the rows in one global order first, so racing reservations queue on PostgreSQL
-    # instead of deadlocking (SQLite already serializes writers).
-    states = dict(
-        s.execute(
-            select(Worker.id, Worker.state)
-            .where(Worker.id.in_(worker_ids))
-            .order_by(Worker.id)
-            .with_for_update()
-        ).all()
-    )
-    idle = sum(1 for w in worker_ids if states.get(w) == WorkerState.IDLE.value)
-    if idle != len(worker_ids):
-        raise PlacementConflict(
-            f"job {job_id}: only {idle} of {len(worker_ids)} workers were still idle; "
-            "the scheduler will try again"
-        )
-    s.execute(
-        update(Worker)
-        .where(Worker.id.in_(worker_ids))
-        .values(state=WorkerState.RESERVED.value, job_id=job_id)
-        .execution_options(synchronize_session=False)
-    )
-    last = s.scalar(select(func.max(GangEpoch.number)).where(GangEpoch.job_id == job_id))
-    epoch = GangEpoch(job_id=job_id, number=(last or 0) + 1, path_class=path_class, created_at=now)
-    s.add(epoch)
-    s.flush()
-    addresses = {
-        str(wid): address
-        for wid, address in s.execute(
-            select(Worker.id, Worker.advertise_address).where(Worker.id.in_(worker_ids))
-        )
-    }
-    for rank, wid in enumerate(worker_ids):
-        s.add(
-            Member(
-                epoch_id=epoch.id,
-                job_id=job_id,
-                node_rank=rank,
-                worker_id=wid,
-                state=MemberState.PENDING.value,
-                advertise_address=addresses.get(wid),
-            )
-        )
-    job.state, job.path_class, job.why_pending = JobState.PLACING.value, path_class, None
-    add_event(
-        s,
-        "Placed",
-        f"epoch {epoch.number}: {len(worker_ids)} workers on the {path_class} path: "
-        + ", ".join(f"node{r}={w}" for r, w in enumerate(worker_ids)),
-        job=job_id,
-        data={"epoch": epoch.number, "workers": list(worker_ids), "path": path_class},
-    )
-    return epoch
 
 
 def job_state_in(s: Session, job_id: str, new: JobState, message: str = "") -> Job:

@@ -1,0 +1,307 @@
+"""The controller's hot writes in SQLAlchemy Core: no ORM objects, no flush, no evaluation.
+
+A busy controller writes a handful of rows per member frame and reserves tens of gangs per
+scheduler pass. Through the ORM each of those writes built objects, flushed a unit of work
+and evaluated bulk updates against the session: half a core at a few dozen gangs a second.
+Here every statement is built once at import (so SQLAlchemy's cache key is memoised) and runs
+on the session's connection, inside the caller's transaction. The rules are the same as the
+ORM paths in ``store.jobs``: every check happens before the first change, so a refused write
+leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from typing import Any, NamedTuple, cast
+
+from sqlalchemy import Connection, Table, bindparam, func, insert, select, update
+
+from muster.errors import BadRequest, NotFound, PlacementConflict
+from muster.spec.states import (
+    JobState,
+    MemberState,
+    WorkerState,
+    check_job_transition,
+    check_member_transition,
+)
+from muster.store.base import utcnow
+from muster.store.models import Event, GangEpoch, Job, Member, Worker
+
+JOBS = cast(Table, Job.__table__)
+WORKERS = cast(Table, Worker.__table__)
+EPOCHS = cast(Table, GangEpoch.__table__)
+MEMBERS = cast(Table, Member.__table__)
+EVENTS = cast(Table, Event.__table__)
+
+MEMBERS_PER_READ = 500  # job ids per IN (...) when reading the members a batch touches
+
+_JOB_STATE = select(JOBS.c.state).where(JOBS.c.id == bindparam("job")).with_for_update()
+_SET_JOB = update(JOBS).where(JOBS.c.id == bindparam("_job"))
+_WORKERS_FOR = (
+    select(WORKERS.c.id, WORKERS.c.state, WORKERS.c.advertise_address)
+    .where(WORKERS.c.id.in_(bindparam("ids", expanding=True)))
+    .order_by(WORKERS.c.id)
+    .with_for_update()
+)
+_RESERVE = (
+    update(WORKERS)
+    .where(WORKERS.c.id.in_(bindparam("ids", expanding=True)))
+    .values(state=WorkerState.RESERVED.value, job_id=bindparam("job"))
+)
+_LAST_EPOCH = select(func.max(EPOCHS.c.number)).where(EPOCHS.c.job_id == bindparam("job"))
+_NEW_EPOCH = insert(EPOCHS)
+_NEW_MEMBERS = insert(MEMBERS)
+_NEW_EVENTS = insert(EVENTS)
+_MEMBERS_OF = (
+    select(
+        MEMBERS.c.id,
+        MEMBERS.c.job_id,
+        MEMBERS.c.node_rank,
+        MEMBERS.c.state,
+        MEMBERS.c.worker_id,
+        EPOCHS.c.number,
+    )
+    .join(EPOCHS, MEMBERS.c.epoch_id == EPOCHS.c.id)
+    .where(MEMBERS.c.job_id.in_(bindparam("jobs", expanding=True)))
+)
+_SET_MEMBER = update(MEMBERS).where(MEMBERS.c.id == bindparam("_member"))
+_BUSY = (
+    update(WORKERS)
+    .where(WORKERS.c.id == bindparam("worker"), WORKERS.c.job_id == bindparam("job"))
+    .values(state=WorkerState.BUSY.value)
+)
+_RELEASE = (
+    update(WORKERS)
+    .where(
+        WORKERS.c.id == bindparam("worker"),
+        WORKERS.c.job_id == bindparam("job"),
+        WORKERS.c.state.in_([WorkerState.RESERVED.value, WorkerState.BUSY.value]),
+    )
+    .values(state=WorkerState.IDLE.value, job_id=None)
+)
+_SET_WORKER = update(WORKERS).where(WORKERS.c.id == bindparam("_worker"))
+_RENDEZVOUS = (
+    update(EPOCHS)
+    .where(EPOCHS.c.job_id == bindparam("job"), EPOCHS.c.number == bindparam("epoch"))
+    .values(master_addr=bindparam("addr"), master_port=bindparam("port"))
+)
+
+
+class Reserved(NamedTuple):
+    """A gang epoch just opened by a reservation."""
+
+    id: int
+    job_id: str
+    number: int
+    path_class: str
+
+
+def event_row(
+    kind: str,
+    message: str,
+    *,
+    job: str | None = None,
+    worker: str | None = None,
+    data: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    return {
+        "job_id": job,
+        "worker_id": worker,
+        "time": utcnow(),
+        "kind": kind,
+        "message": message,
+        "data": data or {},
+    }
+
+
+def insert_events(conn: Connection, rows: list[dict[str, Any]]) -> None:
+    if rows:
+        conn.execute(_NEW_EVENTS, rows)
+
+
+def reserve(
+    conn: Connection,
+    job_id: str,
+    worker_ids: Sequence[str],
+    path_class: str,
+    events: list[dict[str, Any]],
+) -> Reserved:
+    """Take the gang's workers for ``job_id`` and open its next epoch; the "Placed" event
+    goes to ``events``. Raises PlacementConflict, having changed nothing, when the job is
+    no longer queued or a worker no longer idle."""
+    if len(set(worker_ids)) != len(worker_ids):
+        raise BadRequest(f"a gang needs distinct workers, got {list(worker_ids)}")
+    state = conn.execute(_JOB_STATE, {"job": job_id}).scalar()
+    if state is None:
+        raise NotFound(f"job {job_id!r} does not exist; see `muster get jobs`")
+    if state != JobState.QUEUED.value:
+        raise PlacementConflict(f"job {job_id} is {state}, not queued")
+    # Rows locked in one global order, so racing reservations queue on PostgreSQL instead
+    # of deadlocking (SQLite already serializes writers).
+    rows = conn.execute(_WORKERS_FOR, {"ids": list(worker_ids)}).all()
+    idle = sum(1 for row in rows if row.state == WorkerState.IDLE.value)
+    if idle != len(worker_ids):
+        raise PlacementConflict(
+            f"job {job_id}: only {idle} of {len(worker_ids)} workers were still idle; "
+            "the scheduler will try again"
+        )
+    addresses = {row.id: row.advertise_address for row in rows}
+    conn.execute(_RESERVE, {"ids": list(worker_ids), "job": job_id})
+    number = (conn.execute(_LAST_EPOCH, {"job": job_id}).scalar() or 0) + 1
+    now = utcnow()
+    key = conn.execute(
+        _NEW_EPOCH,
+        {"job_id": job_id, "number": number, "path_class": path_class, "created_at": now},
+    ).inserted_primary_key
+    assert key is not None
+    epoch_id = key[0]
+    conn.execute(
+        _NEW_MEMBERS,
+        [
+            {
+                "epoch_id": epoch_id,
+                "job_id": job_id,
+                "node_rank": rank,
+                "worker_id": wid,
+                "state": MemberState.PENDING.value,
+                "advertise_address": addresses.get(wid),
+            }
+            for rank, wid in enumerate(worker_ids)
+        ],
+    )
+    conn.execute(
+        _SET_JOB,
+        {
+            "_job": job_id,
+            "state": JobState.PLACING.value,
+            "path_class": path_class,
+            "why_pending": None,
+        },
+    )
+    events.append(
+        event_row(
+            "Placed",
+            f"epoch {number}: {len(worker_ids)} workers on the {path_class} path: "
+            + ", ".join(f"node{r}={w}" for r, w in enumerate(worker_ids)),
+            job=job_id,
+            data={"epoch": number, "workers": list(worker_ids), "path": path_class},
+        )
+    )
+    return Reserved(int(epoch_id), job_id, number, path_class)
+
+
+def job_state(
+    conn: Connection,
+    job_id: str,
+    new: JobState,
+    message: str,
+    events: list[dict[str, Any]],
+) -> None:
+    """``store.jobs.job_state_in`` without the ORM; its event goes to ``events``."""
+    state = conn.execute(_JOB_STATE, {"job": job_id}).scalar()
+    if state is None:
+        raise NotFound(f"job {job_id!r} does not exist; see `muster get jobs`")
+    check_job_transition(JobState(state), new)
+    now = utcnow()
+    values: dict[str, Any] = {"_job": job_id, "state": new.value}
+    if new is JobState.RUNNING:
+        values["started_at"] = now
+    if new.is_terminal:
+        values["finished_at"] = now
+    if new is JobState.FAILED and message:
+        values["root_cause"] = message
+    conn.execute(_SET_JOB, values)
+    events.append(
+        event_row(f"Job{new.value.capitalize()}", message or f"job is {new.value}", job=job_id)
+    )
+
+
+class MemberNow(NamedTuple):
+    id: int
+    state: MemberState
+    worker_id: str
+
+
+class MemberStates:
+    """The latest epoch's members of the jobs a batch touches, read once, moved in memory,
+    and written back in a few executemany at the end of the batch (nothing else in a batch
+    reads the members table, so deferring those updates inside the transaction is safe)."""
+
+    def __init__(self, conn: Connection, jobs: Iterable[str]) -> None:
+        self.conn = conn
+        self.now: dict[tuple[str, int], MemberNow] = {}
+        epochs: dict[tuple[str, int], int] = {}
+        wanted = sorted(set(jobs))
+        for start in range(0, len(wanted), MEMBERS_PER_READ):
+            chunk = wanted[start : start + MEMBERS_PER_READ]
+            for row in conn.execute(_MEMBERS_OF, {"jobs": chunk}):
+                key = (row.job_id, row.node_rank)
+                if epochs.get(key, -1) < row.number:
+                    epochs[key] = row.number
+                    self.now[key] = MemberNow(row.id, MemberState(row.state), row.worker_id)
+        self.changes: dict[int, dict[str, Any]] = {}
+
+    def move(
+        self,
+        job_id: str,
+        node: int,
+        state: MemberState,
+        *,
+        exit_code: int | None = None,
+        signal: str | None = None,
+        path_address: str | None = None,
+        at: datetime | None = None,
+    ) -> None:
+        """``store.jobs.member_state_in``'s rules: a terminal member stays as it is; the
+        move must be in the member table; RUNNING makes the worker busy (at once)."""
+        member = self.now.get((job_id, node))
+        if member is None:
+            raise NotFound(f"job {job_id!r} has no member with node rank {node}")
+        if member.state.is_terminal:
+            return
+        check_member_transition(member.state, state)
+        now = at or utcnow()
+        values = self.changes.setdefault(member.id, {"_member": member.id})
+        values["state"] = state.value
+        if exit_code is not None:
+            values["exit_code"] = exit_code
+        if signal is not None:
+            values["signal"] = signal
+        if path_address is not None:
+            values["path_address"] = path_address
+        if state is MemberState.ASSIGNED:
+            values["assigned_at"] = now
+        elif state is MemberState.RUNNING:
+            values["started_at"] = now
+            self.conn.execute(_BUSY, {"worker": member.worker_id, "job": job_id})
+        if state.is_terminal:
+            values["finished_at"] = now
+        self.now[(job_id, node)] = member._replace(state=state)
+
+    def write(self) -> None:
+        """The moved members, one executemany per set of columns changed."""
+        groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
+        for values in self.changes.values():
+            groups.setdefault(tuple(sorted(values)), []).append(values)
+        for rows in groups.values():
+            self.conn.execute(_SET_MEMBER, rows)
+        self.changes.clear()
+
+
+def release(conn: Connection, worker_id: str, job_id: str) -> None:
+    """Give a worker held for ``job_id`` back to the pool (unless it went offline)."""
+    conn.execute(_RELEASE, {"worker": worker_id, "job": job_id})
+
+
+def worker_state(conn: Connection, worker_id: str, state: WorkerState) -> None:
+    values: dict[str, Any] = {"_worker": worker_id, "state": state.value}
+    if state in (WorkerState.IDLE, WorkerState.OFFLINE):
+        values["job_id"] = None
+    conn.execute(_SET_WORKER, values)
+
+
+def rendezvous(conn: Connection, job_id: str, epoch: int, addr: str, port: int) -> None:
+    done = conn.execute(_RENDEZVOUS, {"job": job_id, "epoch": epoch, "addr": addr, "port": port})
+    if done.rowcount == 0:
+        raise NotFound(f"job {job_id!r} has no epoch {epoch}")
