@@ -7,7 +7,8 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Depends, Header, Query, Request
+import orjson
+from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import FileResponse
 
 from muster.controller.auth import require_agent, require_user
@@ -93,10 +94,17 @@ async def _json_object(request: Request) -> dict[str, Any]:
     return body
 
 
-@users.get("/jobs")
-async def list_jobs(request: Request) -> list[dict[str, Any]]:
-    jobs = await controller(request).db(store(request).job_summaries)
-    return [job_summary(j) for j in jobs]
+@users.get("/jobs", response_model=list[dict[str, Any]])
+async def list_jobs(request: Request) -> Response:
+    # Read and encoded off the event loop, without FastAPI's per-item validation: a
+    # dashboard polls this with thousands of jobs while the controller is placing.
+    st = store(request)
+
+    def encoded() -> bytes:
+        return orjson.dumps([job_summary(j) for j in st.job_summaries()])
+
+    body = await controller(request).db(encoded)
+    return Response(body, media_type="application/json")
 
 
 @users.get("/jobs/{job_id}")

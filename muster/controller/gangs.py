@@ -59,8 +59,10 @@ from muster.plan import gang_addressing
 from muster.scheduler import Placement, PoolIndex, QueuedJob, schedule
 from muster.spec import JobSpec, JobState, MemberState, PathClass, WorkerInventory, WorkerState
 from muster.store import Store
+from muster.store.jobs import reason_gist
 from muster.store.writes import (
     EventWrite,
+    InventoryWrite,
     JobStateWrite,
     MemberStateWrite,
     ReleaseWrite,
@@ -81,6 +83,10 @@ _SENDS = (SendPrepareRendezvous, SendAssign, SendStop)
 PASS_GATHER_S = 0.01  # a pass waits this long after the first request, to take the others
 PASS_GATHER_MOST_S = 0.2
 IDLE_PASS_EVERY_S = 5.0  # with nothing asked, a pass (why-pending, gauges) this often
+# A why-pending reason whose kind (first clause) is unchanged is rewritten at most this
+# often: its counts move on nearly every pass, and writing ~1,000 of them each pass cost
+# more than the placement.
+WHY_PENDING_REFRESH_S = 2.0
 
 
 class Controller:
@@ -104,6 +110,7 @@ class Controller:
         self.logs = LogIngest(store, metrics)
         self.writer = StoreWriter(store, metrics, self._flushed)
         self._specs: dict[str, JobSpec] = {}  # queued jobs' parsed specs
+        self._why: dict[str, tuple[str | None, float]] = {}  # queued: (reason written, when)
         self._pass_wanted = True
         self.last_pass_took = 0.0
         self._consumers: dict[str, asyncio.Task[None]] = {}  # worker id -> its link's consumer
@@ -348,8 +355,11 @@ class Controller:
                     )
                     continue
             jobs.append(QueuedJob(job_id, spec, seq))
-        for gone in self._specs.keys() - {job_id for job_id, _s, _b in queued}:
+        still = {job_id for job_id, _s, _b in queued}
+        for gone in self._specs.keys() - still:
             del self._specs[gone]  # cancelled while queued
+        for gone in self._why.keys() - still:
+            del self._why[gone]
         specs = {j.id: j.spec for j in jobs}
         bundles = {job_id: bundle for job_id, _seq, bundle in queued}
         pending: dict[str, str | None] = {}
@@ -373,6 +383,7 @@ class Controller:
             self.metrics.placement.observe(time.perf_counter() - started)
             spec = specs[job_id]
             self._specs.pop(job_id, None)
+            self._why.pop(job_id, None)
             entry = RunEntry(GangRun(), spec, list(outcome.members), bundles[job_id])
             self.runs[job_id] = entry
             self.logs.note_senders(job_id, list(outcome.worker_ids))
@@ -401,9 +412,28 @@ class Controller:
                             *(ReleaseWrite(w, job_id) for w in outcome.worker_ids),
                         ]
                     )
-        if pending:
+        due = self._why_due(pending)
+        if due:
             # One transaction, and only the reasons that changed are written.
-            await self.db(self.store.set_why_pending_many, pending)
+            await self.db(self.store.set_why_pending_many, due)
+            written = time.monotonic()
+            self._why.update((job_id, (reason, written)) for job_id, reason in due.items())
+
+    def _why_due(self, pending: dict[str, str | None]) -> dict[str, str | None]:
+        """The reasons to write now: new kinds at once, moved counts every few seconds."""
+        now = time.monotonic()
+        due: dict[str, str | None] = {}
+        for job_id, reason in pending.items():
+            last = self._why.get(job_id)
+            if last is None or (
+                last[0] != reason
+                and (
+                    reason_gist(last[0]) != reason_gist(reason)
+                    or now - last[1] >= WHY_PENDING_REFRESH_S
+                )
+            ):
+                due[job_id] = reason
+        return due
 
     # ---- after a restart -----------------------------------------------------------------
 
@@ -549,8 +579,11 @@ class Controller:
             ),
             None,
         )
-        await self.writer.barrier()  # an older queued write (say, OFFLINE) must not win
-        await self.db(self.store.upsert_worker, inventory, held_by=held_by, draining=bool(stale))
+        # Through the group commit, after anything queued before it (say, an OFFLINE),
+        # and on record before the pass it asks for reads the pool.
+        await self.writer.submit(
+            [InventoryWrite(inventory.model_dump(mode="json"), held_by, bool(stale))]
+        )
         for report in stale:
             order = {"job": report.job, "epoch": report.epoch, "node_rank": report.node}
             await link.send(Kind.STOP, {**order, "reason": "the job is not running"})

@@ -67,12 +67,16 @@ def schedule(
             pool.take(outcome.worker_ids)
         else:
             if held and isinstance(place_gang(job.spec, pool, paths=paths), Placement):
-                ahead = waiting_for[0]
+                # The first clause (before ";") is the kind of reason and stays the same
+                # while the job waits its turn; which jobs are ahead changes every pass.
+                reason = (
+                    "held back by queue order: the idle workers that fit are held for the "
+                    f"job(s) ahead; waiting behind {waiting_for[0]}"
+                )
                 if len(waiting_for) > 1:
-                    ahead += f" and {len(waiting_for) - 1} more"
+                    reason += f" and {len(waiting_for) - 1} more"
                 outcome = Unplaceable(
-                    f"waiting behind {ahead} (queue order): the idle workers that fit are "
-                    "held for the job(s) ahead",
+                    reason,
                     outcome.ruled_out,
                 )
             eligible = cache.index(Need.of(job.spec)).eligible

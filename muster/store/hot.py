@@ -81,6 +81,15 @@ _RELEASE = (
     .values(state=WorkerState.IDLE.value, job_id=None)
 )
 _SET_WORKER = update(WORKERS).where(WORKERS.c.id == bindparam("_worker"))
+_WORKER_NOW = select(WORKERS.c.state, WORKERS.c.job_id).where(WORKERS.c.id == bindparam("worker"))
+_NEW_WORKER = insert(WORKERS)
+_WORKER_VIEWS = select(WORKERS.c.id, WORKERS.c.state, WORKERS.c.inventory).order_by(WORKERS.c.id)
+WHY_PENDING = select(JOBS.c.id, JOBS.c.why_pending).where(
+    JOBS.c.id.in_(bindparam("jobs", expanding=True))
+)
+_SET_WHY_PENDING = (
+    update(JOBS).where(JOBS.c.id == bindparam("_job")).values(why_pending=bindparam("why"))
+)
 _RENDEZVOUS = (
     update(EPOCHS)
     .where(EPOCHS.c.job_id == bindparam("job"), EPOCHS.c.number == bindparam("epoch"))
@@ -305,3 +314,59 @@ def rendezvous(conn: Connection, job_id: str, epoch: int, addr: str, port: int) 
     done = conn.execute(_RENDEZVOUS, {"job": job_id, "epoch": epoch, "addr": addr, "port": port})
     if done.rowcount == 0:
         raise NotFound(f"job {job_id!r} has no epoch {epoch}")
+
+
+def upsert_worker(
+    conn: Connection,
+    inventory: dict[str, Any],
+    held_by: str | None,
+    draining: bool,
+    events: list[dict[str, Any]],
+    now: datetime | None = None,
+) -> None:
+    """Record an agent's inventory (``WorkerInventory`` as JSON) and what the worker is
+    free for; see ``WorkerRepository.upsert_worker``."""
+    now = now or utcnow()
+    worker_id = inventory["id"]
+    row = conn.execute(_WORKER_NOW, {"worker": worker_id}).first()
+    held = (WorkerState.RESERVED.value, WorkerState.BUSY.value)
+    if held_by is not None:
+        if row is not None and row.job_id == held_by and row.state in held:
+            state, job = row.state, held_by
+        else:
+            state, job = WorkerState.BUSY.value, held_by
+    elif draining:
+        state, job = WorkerState.BUSY.value, None
+    else:  # nothing of any job runs there, as the controller and the agent see it
+        state, job = WorkerState.IDLE.value, None
+    values = {
+        "hostname": inventory["hostname"],
+        "advertise_address": inventory.get("advertise_address"),
+        "inventory": inventory,
+        "last_seen": now,
+        "state": state,
+        "job_id": job,
+    }
+    if row is None:
+        conn.execute(_NEW_WORKER, {"id": worker_id, "joined_at": now, **values})
+        events.append(
+            event_row(
+                "WorkerJoined",
+                f"worker {worker_id} ({inventory['hostname']}) joined",
+                worker=worker_id,
+            )
+        )
+        return
+    if row.state == WorkerState.OFFLINE.value:
+        events.append(event_row("WorkerReturned", f"worker {worker_id} is back", worker=worker_id))
+    conn.execute(_SET_WORKER, {"_worker": worker_id, **values})
+
+
+def worker_rows(conn: Connection) -> list[tuple[str, str, dict[str, Any]]]:
+    """Every worker's (id, state, inventory JSON), by id."""
+    return [(row.id, row.state, row.inventory) for row in conn.execute(_WORKER_VIEWS)]
+
+
+def set_why_pending(conn: Connection, reasons: dict[str, str | None]) -> None:
+    if reasons:
+        conn.execute(_SET_WHY_PENDING, [{"_job": j, "why": r} for j, r in reasons.items()])

@@ -158,24 +158,18 @@ class JobRepository(Repository):
         if not _why_pending_changes(self._why_pending(reasons), reasons):
             return 0
         with self.db.transaction() as s:
+            conn = s.connection()
             previous = _read_why_pending(s, reasons)
             changes = _why_pending_changes(previous, reasons)
-            by_reason: dict[str | None, list[str]] = {}
-            for job_id, reason in changes.items():
-                by_reason.setdefault(reason, []).append(job_id)
-            for reason, job_ids in by_reason.items():
-                for chunk in _chunks(job_ids, WHY_PENDING_CHUNK):
-                    s.execute(
-                        update(Job)
-                        .where(Job.id.in_(chunk))
-                        .values(why_pending=reason)
-                        .execution_options(synchronize_session=False)
-                    )
-            for job_id, reason in changes.items():
+            events = [
                 # An event when the kind of reason changes (its first clause), not each time
                 # a count in it moves: the column always holds the latest words.
-                if reason and _gist(reason) != _gist(previous.get(job_id)):
-                    add_event(s, "Unplaceable", reason, job=job_id)
+                hot.event_row("Unplaceable", reason, job=job_id)
+                for job_id, reason in changes.items()
+                if reason and reason_gist(reason) != reason_gist(previous.get(job_id))
+            ]
+            hot.set_why_pending(conn, changes)
+            hot.insert_events(conn, events)
             return len(changes)
 
     def _why_pending(self, job_ids: Iterable[str]) -> dict[str, str | None]:
@@ -363,12 +357,13 @@ def _read_why_pending(s: Session, job_ids: Iterable[str]) -> dict[str, str | Non
     """The current why_pending of each of ``job_ids`` that exists."""
     current: dict[str, str | None] = {}
     for chunk in _chunks(list(job_ids), WHY_PENDING_CHUNK):
-        rows = s.execute(select(Job.id, Job.why_pending).where(Job.id.in_(chunk)))
+        rows = s.connection().execute(hot.WHY_PENDING, {"jobs": list(chunk)})
         current.update((job_id, why) for job_id, why in rows)
     return current
 
 
-def _gist(reason: str | None) -> str | None:
+def reason_gist(reason: str | None) -> str | None:
+    """The kind of a why-pending reason: its first clause (counts move in the rest)."""
     return reason.split(";", 1)[0] if reason else None
 
 

@@ -3,19 +3,27 @@
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import select, update
 
 from muster.errors import NotFound
 from muster.spec.states import WorkerState
 from muster.spec.worker import WorkerInventory, WorkerView
-from muster.store.base import Repository, add_event, utcnow
+from muster.store import hot
+from muster.store.base import Repository
+from muster.store.engine import Database
 from muster.store.models import (
     Worker,
 )
 
 
 class WorkerRepository(Repository):
+    def __init__(self, db: Database) -> None:
+        super().__init__(db)
+        # worker id -> (inventory JSON, validated): see ``workers``
+        self._validated: dict[str, tuple[dict[str, Any], WorkerInventory]] = {}
+
     # ---- workers -------------------------------------------------------------------------
 
     def upsert_worker(
@@ -25,7 +33,7 @@ class WorkerRepository(Repository):
         *,
         held_by: str | None = None,
         draining: bool = False,
-    ) -> Worker:
+    ) -> None:
         """Record an agent's inventory and what the worker is free for.
 
         ``held_by``: a job whose member on this worker may still run (the worker stays
@@ -33,38 +41,11 @@ class WorkerRepository(Repository):
         (busy, with no job) until an inventory without it says every process is gone.
         Otherwise the worker is idle.
         """
-        now = now or utcnow()
+        events: list[dict[str, Any]] = []
         with self.db.transaction() as s:
-            row = s.get(Worker, inv.id)
-            data = inv.model_dump(mode="json")
-            if row is None:
-                row = Worker(
-                    id=inv.id,
-                    hostname=inv.hostname,
-                    advertise_address=inv.advertise_address,
-                    inventory=data,
-                    state=WorkerState.IDLE.value,
-                    joined_at=now,
-                    last_seen=now,
-                )
-                s.add(row)
-                add_event(
-                    s, "WorkerJoined", f"worker {inv.id} ({inv.hostname}) joined", worker=inv.id
-                )
-            else:
-                row.hostname, row.advertise_address = inv.hostname, inv.advertise_address
-                row.inventory, row.last_seen = data, now
-                if row.state == WorkerState.OFFLINE.value:
-                    add_event(s, "WorkerReturned", f"worker {inv.id} is back", worker=inv.id)
-            held = (WorkerState.RESERVED.value, WorkerState.BUSY.value)
-            if held_by is not None:
-                if not (row.job_id == held_by and row.state in held):
-                    row.state, row.job_id = WorkerState.BUSY.value, held_by
-            elif draining:
-                row.state, row.job_id = WorkerState.BUSY.value, None
-            else:  # nothing of any job runs there, as the controller and the agent see it
-                row.state, row.job_id = WorkerState.IDLE.value, None
-            return row
+            conn = s.connection()
+            hot.upsert_worker(conn, inv.model_dump(mode="json"), held_by, draining, events, now)
+            hot.insert_events(conn, events)
 
     def mark_all_offline(self) -> None:
         """At controller start no agent is connected yet; each becomes idle when it dials in."""
@@ -81,16 +62,22 @@ class WorkerRepository(Repository):
                 row.job_id = None
 
     def workers(self) -> list[WorkerView]:
-        """The scheduler's snapshot: every worker's inventory and state."""
+        """The scheduler's snapshot: every worker's inventory and state. An inventory is
+        validated once per content (a pass reads every worker, and they rarely change)."""
         with self.db.read() as s:
-            rows = s.scalars(select(Worker).order_by(Worker.id)).all()
-            return [
-                WorkerView(
-                    inventory=WorkerInventory.model_validate(r.inventory, strict=False),
-                    state=WorkerState(r.state),
-                )
-                for r in rows
-            ]
+            rows = hot.worker_rows(s.connection())
+        views = []
+        for worker_id, state, data in rows:
+            cached = self._validated.get(worker_id)
+            if cached is None or cached[0] != data:
+                cached = (data, WorkerInventory.model_validate(data, strict=False))
+                self._validated[worker_id] = cached
+            views.append(WorkerView(inventory=cached[1], state=WorkerState(state)))
+        if len(self._validated) > len(rows):  # workers removed (muster gc)
+            alive = {worker_id for worker_id, _s, _d in rows}
+            for gone in self._validated.keys() - alive:
+                del self._validated[gone]
+        return views
 
     def worker_rows(self) -> list[Worker]:
         with self.db.read() as s:

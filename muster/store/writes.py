@@ -69,6 +69,16 @@ class WorkerStateWrite:
     state: WorkerState
 
 
+@dataclass(frozen=True)
+class InventoryWrite:
+    """An agent's inventory (WorkerInventory as JSON) and what its worker is free for;
+    see ``WorkerRepository.upsert_worker``."""
+
+    inventory: dict[str, Any]
+    held_by: str | None = None
+    draining: bool = False
+
+
 Write: TypeAlias = (
     JobStateWrite
     | MemberStateWrite
@@ -76,6 +86,7 @@ Write: TypeAlias = (
     | ReleaseWrite
     | RendezvousWrite
     | WorkerStateWrite
+    | InventoryWrite
 )
 
 
@@ -128,5 +139,7 @@ def _apply(
         hot.release(conn, write.worker, write.job)
     elif isinstance(write, RendezvousWrite):
         hot.rendezvous(conn, write.job, write.epoch, write.addr, write.port)
+    elif isinstance(write, InventoryWrite):
+        hot.upsert_worker(conn, write.inventory, write.held_by, write.draining, events)
     else:
         hot.worker_state(conn, write.worker, write.state)
