@@ -493,10 +493,14 @@ class Controller:
                 await self._link_ended(link, item)
                 return
             try:
+                if item.kind is Kind.INVENTORY:
+                    async with self.lock:
+                        recorded = await self._inventory(link, item.body)
+                    if recorded is not None:
+                        await recorded  # on record (outside the lock) before the pass reads it
+                        self.request_pass()
+                    continue
                 async with self.lock:
-                    if item.kind is Kind.INVENTORY:
-                        await self._inventory(link, item.body)
-                        continue
                     written = await self._member_frame(link, item.kind, item.body)
                 if item.kind in (Kind.MEMBER_EXITED, Kind.ARTIFACTS_DONE):
                     # Once on record (outside the lock: other links go on meanwhile), the
@@ -556,11 +560,12 @@ class Controller:
             return nothing
         return await self._step(entry, event)
 
-    async def _inventory(self, link: Link, body: dict[str, Any]) -> None:
+    async def _inventory(self, link: Link, body: dict[str, Any]) -> asyncio.Future[None] | None:
+        """Record the inventory (the lock held); returns the future of its commit."""
         inventory = WorkerInventory.model_validate(body["inventory"], strict=False)
         if inventory.id != link.worker_id:
             await link.send(Kind.ERROR, {"message": "inventory id differs from the link's"})
-            return
+            return None
         worker = link.worker_id
         reports = tuple(_report(r) for r in body.get("members") or [])
         # Members of jobs this controller does not track (or of an older epoch) that still
@@ -579,9 +584,9 @@ class Controller:
             ),
             None,
         )
-        # Through the group commit, after anything queued before it (say, an OFFLINE),
-        # and on record before the pass it asks for reads the pool.
-        await self.writer.submit(
+        # Through the group commit, after anything queued before it (say, an OFFLINE);
+        # the caller waits for it outside the lock, then asks for a pass.
+        written = self.writer.submit(
             [InventoryWrite(inventory.model_dump(mode="json"), held_by, bool(stale))]
         )
         for report in stale:
@@ -594,7 +599,7 @@ class Controller:
             for entry in list(self.runs.values()):
                 if worker in entry.gang.workers:
                     await self._step(entry, LinkBack(worker, reports))
-        self.request_pass()
+        return written
 
     # ---- cancel, links -------------------------------------------------------------------
 
