@@ -82,6 +82,15 @@ class Kind(IntEnum):
     LOGS = 30  # A->C: {job, batch, lines: [[origin, rank, seq, time, stream, text], ...]}
     LOGS_ACK = 31  # C->A, batch stored: {job, batch}
     ERROR = 40  # C->A, the controller refuses something: {message}
+    # The direct path (muster.net), before the rendezvous; the agent makes the device:
+    # C->A: {job, epoch, node_rank, address, prefix}: a fresh key and device muster0
+    NET_SETUP = 50
+    # A->C: {job, epoch, node_rank, public_key, port} (the device listens on UDP port), or
+    # {job, epoch, node_rank, error} when it could not be made
+    NET_READY = 51
+    # C->A: {job, epoch, node_rank, peers: [{public_key, endpoint, address}]}
+    NET_PEERS = 52
+    NET_UP = 53  # A->C: {job, epoch, node_rank}: its peers are set
 
 
 class FrameRefused(MusterError):

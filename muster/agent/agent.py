@@ -30,6 +30,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from muster import wire
 from muster.agent.capture import Line
 from muster.agent.launcher import MemberRun
+from muster.agent.network import GangNetwork
 from muster.agent.retention import remove_stale_job_dirs
 from muster.client import pinned_ssl_context
 from muster.errors import InfrastructureError
@@ -131,6 +132,7 @@ class Agent:
         self.link_up = asyncio.Event()
         self._background: set[asyncio.Task[None]] = set()
         self.alive_file = config.work_dir / ".agent-alive"
+        self.network = GangNetwork(self.send, config.work_dir / ".net")
 
     # ---- dialing -------------------------------------------------------------------------
 
@@ -155,6 +157,7 @@ class Agent:
         finally:
             beats.cancel()
             collector.cancel()
+            await self.network.down()
 
     async def _collect_work_dirs(self, every: float = 3600.0) -> None:
         """Retention: every hour, remove the stale job directories of ended members."""
@@ -400,6 +403,10 @@ class Agent:
         elif frame.kind is Kind.HEARTBEAT_ACK:
             for job in body.get("stop", []):
                 self._in_background(self._stop(str(job), "the job ended (heartbeat)"))
+        elif frame.kind is Kind.NET_SETUP:
+            self._in_background(self.network.setup(body))
+        elif frame.kind is Kind.NET_PEERS:
+            self._in_background(self.network.set_peers(body))
         elif frame.kind is Kind.PREPARE_RENDEZVOUS:
             await self._prepare(body)
         elif frame.kind is Kind.ASSIGN:
@@ -481,6 +488,7 @@ class Agent:
                 )
             finally:
                 member.finished = True
+                await self.network.down(job)  # the gang's device goes with the member
                 # Every process of the member is gone. Once the controller has acked its
                 # reports the agent forgets it (and says so, so the worker is freed);
                 # until then it stays, and the next link carries them again.
@@ -492,7 +500,9 @@ class Agent:
         member = self.members.get(job)
         if member is not None:
             await member.stop(reason)
-        elif order is not None and order.get("node_rank") is not None:
+            return
+        await self.network.down(job)  # a gang that ended before its member was assigned
+        if order is not None and order.get("node_rank") is not None:
             # Nothing of that member runs here (never assigned, or already over): say so,
             # so the controller can give this worker back to the pool.
             await self.send(

@@ -12,6 +12,7 @@ from urllib.parse import urlparse
 import psutil
 
 from muster.errors import UserError
+from muster.net.wireguard import device_unavailable, has_cap_net_admin
 from muster.spec import Gpus, NetworkCaps, WorkerInventory
 
 _PROBE = """
@@ -114,6 +115,10 @@ def network_caps(
         private_address=address,
         private_interface=iface,
         primary_interface=iface,
+        # The direct path: this agent can make a WireGuard device (CAP_NET_ADMIN, a TUN
+        # device or kernel WireGuard, and wg); a container without CAP_NET_ADMIN cannot.
+        can_create_device=device_unavailable() is None,
+        container_only=not has_cap_net_admin(),
     )
 
 

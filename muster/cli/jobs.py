@@ -58,7 +58,7 @@ def get(
                 (note or "").split("\n")[0],
             )
     elif what in ("workers", "worker"):
-        for col in ("WORKER", "STATE", "JOB", "ADDRESS", "TORCH", "GPUS", "CONNECTED"):
+        for col in ("WORKER", "STATE", "JOB", "ADDRESS", "TORCH", "GPUS", "DIRECT", "CONNECTED"):
             table.add_column(col)
         for w in api.workers():
             table.add_row(
@@ -68,6 +68,8 @@ def get(
                 w["advertise_address"] or "",
                 w["torch"] or "-",
                 str(w["gpus"]),
+                # It can make the direct path's WireGuard device (see README: networks).
+                "yes" if (w.get("network") or {}).get("can_create_device") else "no",
                 "yes" if w["connected"] else "no",
             )
     else:

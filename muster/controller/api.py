@@ -312,6 +312,10 @@ async def list_workers(request: Request) -> list[dict[str, Any]]:
             "advertise_address": w.advertise_address,
             "torch": w.inventory.get("torch_version"),
             "gpus": w.inventory.get("gpus", {}).get("count", 0),
+            "network": {
+                key: w.inventory.get("network", {}).get(key)
+                for key in ("private_network_id", "can_create_device", "container_only")
+            },
             "connected": w.id in ctl.links,
             "last_seen": w.last_seen.isoformat(),
         }

@@ -17,6 +17,7 @@ and the jobs go on; a member that does not come back within the grace fails its 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import logging
 import time
@@ -29,7 +30,7 @@ from muster.controller.links import Link, LinkEnded
 from muster.controller.metrics import Metrics
 from muster.controller.runs import RunEntry, rebuild_run
 from muster.controller.writer import StoreWriter
-from muster.errors import BadRequest, IllegalTransition, PlacementConflict
+from muster.errors import BadRequest, IllegalTransition, InfrastructureError, PlacementConflict
 from muster.gang import (
     Action,
     Cancel,
@@ -41,12 +42,16 @@ from muster.gang import (
     MemberExited,
     MemberReport,
     MemberStarted,
+    NetReady,
+    NetUp,
     OutputsStored,
     Placed,
     PortPublished,
     RecordEvent,
     ReleaseWorker,
     SendAssign,
+    SendNetPeers,
+    SendNetSetup,
     SendPrepareRendezvous,
     SendStop,
     SetJobState,
@@ -55,7 +60,7 @@ from muster.gang import (
     Tick,
     step,
 )
-from muster.plan import gang_addressing
+from muster.plan import MESH_GANGS, MESH_PREFIX, gang_addressing, mesh_address
 from muster.scheduler import Placement, PoolIndex, QueuedJob, schedule
 from muster.spec import JobSpec, JobState, MemberState, PathClass, WorkerInventory, WorkerState
 from muster.store import Store
@@ -77,9 +82,9 @@ T = TypeVar("T")
 
 # The path classes this controller sets up. Direct (WireGuard) and relayed come with the
 # gang networking issues; until then a gang that would need them waits, saying so.
-SUPPORTED_PATHS = frozenset({PathClass.PRIVATE})
+SUPPORTED_PATHS = frozenset({PathClass.PRIVATE, PathClass.DIRECT})
 RESTART_GRACE_HEARTBEATS = 3  # after a restart, runs wait this many heartbeat timeouts
-_SENDS = (SendPrepareRendezvous, SendAssign, SendStop)
+_SENDS = (SendNetSetup, SendNetPeers, SendPrepareRendezvous, SendAssign, SendStop)
 PASS_GATHER_S = 0.01  # a pass waits this long after the first request, to take the others
 PASS_GATHER_MOST_S = 0.2
 IDLE_PASS_EVERY_S = 5.0  # with nothing asked, a pass (why-pending, gauges) this often
@@ -186,7 +191,10 @@ class Controller:
             elif isinstance(action, SetRendezvous):
                 writes.append(RendezvousWrite(job, epoch, action.addr, action.port))
                 entry.addressing = gang_addressing(
-                    entry.gang.path or PathClass.PRIVATE, entry.inventories, action.port
+                    entry.gang.path or PathClass.PRIVATE,
+                    entry.inventories,
+                    action.port,
+                    entry.mesh,
                 )
         written = self.writer.submit(writes)
         sends = [a for a in actions if isinstance(a, _SENDS)]
@@ -201,7 +209,27 @@ class Controller:
                 lost.append((worker, f"it had no control link when {kind.name} was sent"))
 
         for action in sends:
-            if isinstance(action, SendPrepareRendezvous):
+            if isinstance(action, SendNetSetup):
+                setup = {
+                    "job": job,
+                    "epoch": epoch,
+                    "node_rank": action.node,
+                    "address": mesh_address(action.node, entry.mesh),
+                    "prefix": MESH_PREFIX,
+                }
+                await send(action.worker, Kind.NET_SETUP, setup)
+            elif isinstance(action, SendNetPeers):
+                peers = [
+                    {
+                        "public_key": key,
+                        "endpoint": endpoint,
+                        "address": mesh_address(node, entry.mesh),
+                    }
+                    for node, key, endpoint in action.peers
+                ]
+                order = {"job": job, "epoch": epoch, "node_rank": action.node, "peers": peers}
+                await send(action.worker, Kind.NET_PEERS, order)
+            elif isinstance(action, SendPrepareRendezvous):
                 body = {"job": job, "epoch": epoch, "addr": action.addr, "port": action.port}
                 await send(action.worker, Kind.PREPARE_RENDEZVOUS, body)
             elif isinstance(action, SendAssign):
@@ -385,10 +413,12 @@ class Controller:
             self._specs.pop(job_id, None)
             self._why.pop(job_id, None)
             entry = RunEntry(GangRun(), spec, list(outcome.members), bundles[job_id])
+            if outcome.path is PathClass.DIRECT:
+                entry.mesh = self._free_mesh()
             self.runs[job_id] = entry
             self.logs.note_senders(job_id, list(outcome.worker_ids))
             try:
-                planned = gang_addressing(outcome.path, entry.inventories, 0)
+                planned = gang_addressing(outcome.path, entry.inventories, 0, entry.mesh)
                 await self._step(
                     entry,
                     Placed(
@@ -529,7 +559,7 @@ class Controller:
         entry = self.runs.get(job)
         nothing = self.writer.submit([])
         if entry is None or body.get("epoch") != entry.gang.epoch:
-            if kind in (Kind.RENDEZVOUS_READY, Kind.MEMBER_STARTED):
+            if kind in (Kind.RENDEZVOUS_READY, Kind.MEMBER_STARTED, Kind.NET_READY, Kind.NET_UP):
                 await link.send(Kind.STOP, {"job": job, "reason": "stale"})
             elif kind is Kind.MEMBER_EXITED:
                 # The member of a run no longer tracked is gone: its worker is free.
@@ -539,7 +569,11 @@ class Controller:
         if node is None or node != body.get("node_rank", node):
             return nothing
         event: Event
-        if kind is Kind.RENDEZVOUS_READY:
+        if kind is Kind.NET_READY:
+            event = self._net_ready(entry, node, body)
+        elif kind is Kind.NET_UP:
+            event = NetUp(node)
+        elif kind is Kind.RENDEZVOUS_READY:
             event = PortPublished(node, str(body["addr"]), int(body["port"]))
         elif kind is Kind.MEMBER_STARTED:
             event = MemberStarted(node)
@@ -559,6 +593,25 @@ class Controller:
         else:
             return nothing
         return await self._step(entry, event)
+
+    def _net_ready(self, entry: RunEntry, node: int, body: dict[str, Any]) -> NetReady:
+        """NET_READY: the endpoint is where the member's agent is reached, and its port."""
+        if body.get("error"):
+            return NetReady(node, error=str(body["error"])[:500])
+        key, port = str(body.get("public_key") or ""), int(body.get("port") or 0)
+        host = entry.inventories[node].advertise_address or ""
+        if not _is_wg_key(key) or not 0 < port < 65536 or not host:
+            return NetReady(node, error=f"a malformed NET_READY (key {key[:8]!r}, port {port})")
+        endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        return NetReady(node, key, endpoint)
+
+    def _free_mesh(self) -> int:
+        """The lowest mesh gang index no tracked direct run holds."""
+        held = {e.mesh for e in self.runs.values() if e.gang.path is PathClass.DIRECT}
+        for index in range(MESH_GANGS):
+            if index not in held:
+                return index
+        raise InfrastructureError(f"all {MESH_GANGS} mesh networks of the direct path are in use")
 
     async def _inventory(self, link: Link, body: dict[str, Any]) -> asyncio.Future[None] | None:
         """Record the inventory (the lock held); returns the future of its commit."""
@@ -708,3 +761,11 @@ def _report(raw: dict[str, Any]) -> MemberReport:
 
 def _first_line(exc: Exception) -> str:
     return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+def _is_wg_key(key: str) -> bool:
+    """A WireGuard public key: 32 bytes, base64."""
+    try:
+        return len(base64.b64decode(key, validate=True)) == 32
+    except ValueError:
+        return False

@@ -6,7 +6,7 @@ import datetime
 from dataclasses import dataclass
 
 from muster.gang import GangRun, MemberSnapshot
-from muster.plan import GangAddressing, gang_addressing
+from muster.plan import GangAddressing, gang_addressing, mesh_gang_of
 from muster.spec import JobSpec, JobState, MemberState, PathClass, WorkerInventory
 from muster.store.jobs import RunRecord
 
@@ -20,6 +20,7 @@ class RunEntry:
     inventories: list[WorkerInventory]
     bundle: str | None
     addressing: GangAddressing | None = None
+    mesh: int = 0  # the direct path's mesh gang index (muster.plan.mesh_address)
 
 
 def rebuild_run(rec: RunRecord, inventories: dict[str, WorkerInventory]) -> RunEntry:
@@ -31,6 +32,9 @@ def rebuild_run(rec: RunRecord, inventories: dict[str, WorkerInventory]) -> RunE
     published = None
     if rec.epoch.master_addr and rec.epoch.master_port:
         published = (rec.epoch.master_addr, rec.epoch.master_port)
+    mesh = 0
+    if path is PathClass.DIRECT and published is not None and len(members) > 1:
+        mesh = mesh_gang_of(published[0])  # node 0's mesh address
     created_at = rec.epoch.created_at
     if created_at.tzinfo is None:  # SQLite gives naive datetimes; muster's are UTC
         created_at = created_at.replace(tzinfo=datetime.UTC)
@@ -51,13 +55,13 @@ def rebuild_run(rec: RunRecord, inventories: dict[str, WorkerInventory]) -> RunE
             )
             for m in rec.members
         ],
-        master_addr=gang_addressing(path, members, 0).master_addr,
+        master_addr=gang_addressing(path, members, 0, mesh).master_addr,
         port=spec.gang.rendezvous.port,
         published=published,
         timeout=spec.timeout or None,
         deadline=created + spec.timeout if spec.timeout else None,
     )
-    entry = RunEntry(gang, spec, members, rec.job.bundle_sha256)
+    entry = RunEntry(gang, spec, members, rec.job.bundle_sha256, mesh=mesh)
     if published is not None:
-        entry.addressing = gang_addressing(path, members, published[1])
+        entry.addressing = gang_addressing(path, members, published[1], mesh)
     return entry

@@ -22,6 +22,24 @@ class SendPrepareRendezvous:
 
 
 @dataclass(frozen=True)
+class SendNetSetup:
+    """NET_SETUP to a member of a direct gang: make a fresh key and device ``muster0`` with
+    the member's mesh address (the controller fills it in)."""
+
+    node: int
+    worker: str
+
+
+@dataclass(frozen=True)
+class SendNetPeers:
+    """NET_PEERS: every other member's (node, public key, endpoint), for the device."""
+
+    node: int
+    worker: str
+    peers: tuple[tuple[int, str, str], ...]
+
+
+@dataclass(frozen=True)
 class SetRendezvous:
     """Record node 0's published ``addr:port`` on the epoch (and plan the gang's addresses)."""
 
@@ -81,7 +99,9 @@ class ReleaseWorker:
 
 
 Action: TypeAlias = (
-    SendPrepareRendezvous
+    SendNetSetup
+    | SendNetPeers
+    | SendPrepareRendezvous
     | SetRendezvous
     | SendAssign
     | SendStop

@@ -35,6 +35,24 @@ class PortPublished:
 
 
 @dataclass(frozen=True)
+class NetReady:
+    """NET_READY: the member's WireGuard device is up with ``public_key``, listening on
+    ``endpoint`` (host:port); or ``error`` says why it could not be made."""
+
+    node: int
+    public_key: str = ""
+    endpoint: str = ""
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class NetUp:
+    """NET_UP: the member's device knows every peer of the gang."""
+
+    node: int
+
+
+@dataclass(frozen=True)
 class MemberStarted:
     """MEMBER_STARTED: the member's torchrun is running."""
 
@@ -121,6 +139,8 @@ class ControllerRestarted:
 
 Event: TypeAlias = (
     Placed
+    | NetReady
+    | NetUp
     | PortPublished
     | MemberStarted
     | MemberExited

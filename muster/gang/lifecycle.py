@@ -11,7 +11,9 @@ and applies the returned actions in order; the rules live here alone::
                            └─ Cancel ────────────────────────────────────────────► cancelled
                               every member exited 0 and its outputs stored ─► succeeded ◄┘
 
-    Placed:         SetJobState(rendezvous), PREPARE_RENDEZVOUS to node 0
+    Placed:         SetJobState(rendezvous), PREPARE_RENDEZVOUS to node 0; on the direct
+                    path first SetJobState(networking) and NET_SETUP to every member, then
+                    NET_PEERS once every key is in, and the rendezvous once every NET_UP is
     PortPublished:  SetRendezvous, then ASSIGN + SetMemberState(assigned), node 0 first
                     (held back while a member is unconfirmed after a restart)
     MemberStarted:  SetMemberState(starting, running); the last one: SetJobState(running)
@@ -34,6 +36,8 @@ from muster.gang.actions import (
     RecordEvent,
     ReleaseWorker,
     SendAssign,
+    SendNetPeers,
+    SendNetSetup,
     SendPrepareRendezvous,
     SendStop,
     SetJobState,
@@ -49,13 +53,15 @@ from muster.gang.events import (
     LinkLost,
     MemberExited,
     MemberStarted,
+    NetReady,
+    NetUp,
     OutputsStored,
     Placed,
     PortPublished,
     Tick,
 )
 from muster.gang.run import GangPhase, GangRun, Member
-from muster.spec import JobState, MemberState
+from muster.spec import JobState, MemberState, PathClass
 
 _M = MemberState
 _FORWARD = (_M.PENDING, _M.ASSIGNED, _M.STARTING, _M.RUNNING, _M.SUCCEEDED)
@@ -70,6 +76,10 @@ def step(run: GangRun, event: Event, now: float) -> tuple[GangRun, tuple[Action,
         _placed(turn, event)
     elif not run.members:
         pass  # nothing but Placed means anything before the gang exists
+    elif isinstance(event, NetReady):
+        _net_ready(turn, event)
+    elif isinstance(event, NetUp):
+        _net_up(turn, event)
     elif isinstance(event, PortPublished):
         _port_published(turn, event)
     elif isinstance(event, MemberStarted):
@@ -154,10 +164,68 @@ def _placed(turn: _Turn, event: Placed) -> None:
         deadline=turn.now + event.timeout if event.timeout else None,
         rendezvous_deadline=turn.now + RENDEZVOUS_TIMEOUT_S,
     )
-    turn.set_job(
-        JobState.RENDEZVOUS, f"epoch {event.epoch}: waiting for node0 to publish its address"
-    )
-    turn.emit(SendPrepareRendezvous(event.workers[0], event.master_addr, event.port))
+    if event.path is PathClass.DIRECT and len(event.workers) > 1:
+        # The gang's own network first: every member makes a key and a device; the keys
+        # go round once all are in; the rendezvous starts once every device has its peers.
+        turn.set_job(
+            JobState.NETWORKING,
+            f"epoch {event.epoch}: setting up the direct network between "
+            f"{len(event.workers)} members",
+        )
+        for member in turn.run.members:
+            turn.emit(SendNetSetup(member.node, member.worker))
+            turn.update(member.node, networked=True)
+        return
+    _start_rendezvous(turn)
+
+
+def _start_rendezvous(turn: _Turn) -> None:
+    run = turn.run
+    why = f"epoch {run.epoch}: waiting for node0 to publish its address"
+    turn.set_job(JobState.RENDEZVOUS, why)
+    turn.emit(SendPrepareRendezvous(run.members[0].worker, run.master_addr, run.port))
+
+
+def _net_ready(turn: _Turn, event: NetReady) -> None:
+    member = turn.member(event.node)
+    if member is None or turn.run.job_state is not JobState.NETWORKING or member.net_key:
+        return
+    if event.error is not None or not event.public_key or not event.endpoint:
+        why = event.error or "its NET_READY carried no key or endpoint"
+        _fail(
+            turn,
+            JobState.FAILED,
+            f"node{member.node} (worker {member.worker}) could not set up the direct path: {why}",
+        )
+        return
+    turn.update(member.node, net_key=(event.public_key, event.endpoint))
+    members = turn.run.members
+    if any(m.net_key is None for m in members):
+        return
+    for m in members:
+        peers = tuple(
+            (other.node, other.net_key[0], other.net_key[1])
+            for other in members
+            if other.node != m.node and other.net_key is not None
+        )
+        turn.emit(SendNetPeers(m.node, m.worker, peers))
+
+
+def _net_up(turn: _Turn, event: NetUp) -> None:
+    member = turn.member(event.node)
+    run = turn.run
+    if member is None or run.job_state is not JobState.NETWORKING or member.net_key is None:
+        return
+    turn.update(member.node, net_up=True)
+    if all(m.net_up for m in turn.run.members):
+        turn.emit(
+            RecordEvent(
+                "NetworkReady",
+                f"epoch {run.epoch}: direct network up between {len(run.members)} members",
+                {"epoch": run.epoch, "path": PathClass.DIRECT.value},
+            )
+        )
+        _start_rendezvous(turn)
 
 
 def _port_published(turn: _Turn, event: PortPublished) -> None:
@@ -337,7 +405,12 @@ def _link_back(turn: _Turn, event: LinkBack) -> None:
             turn.update(node, started=True)
             turn.set_member(node, MemberState.RUNNING)
     elif not member.assigned:
-        if node == 0 and run.phase is GangPhase.RENDEZVOUS and not over:
+        if (
+            node == 0
+            and run.phase is GangPhase.RENDEZVOUS
+            and run.job_state is JobState.RENDEZVOUS
+            and not over
+        ):
             turn.emit(SendPrepareRendezvous(member.worker, run.master_addr, run.port))
     elif member.gone:
         if report is None and _awaits_outputs(member) and not over:
@@ -373,12 +446,25 @@ def _tick(turn: _Turn) -> None:
         and not any(m.unconfirmed for m in turn.run.members)
     ):
         node0 = turn.run.members[0]
-        _fail(
-            turn,
-            JobState.FAILED,
-            f"node0 (worker {node0.worker}) did not publish its rendezvous address within "
-            f"{RENDEZVOUS_TIMEOUT_S:.0f}s",
-        )
+        if turn.run.job_state is JobState.NETWORKING:
+            late = [m for m in turn.run.members if not m.net_up]
+            _fail(
+                turn,
+                JobState.FAILED,
+                f"the direct network was not up within {RENDEZVOUS_TIMEOUT_S:.0f}s: "
+                + ", ".join(
+                    f"node{m.node} (worker {m.worker}) "
+                    + ("had no key" if m.net_key is None else "did not set its peers")
+                    for m in late
+                ),
+            )
+        else:
+            _fail(
+                turn,
+                JobState.FAILED,
+                f"node0 (worker {node0.worker}) did not publish its rendezvous address within "
+                f"{RENDEZVOUS_TIMEOUT_S:.0f}s",
+            )
     if turn.run.grace_deadline is None or turn.now < turn.run.grace_deadline:
         return
     turn.run = replace(turn.run, grace_deadline=None)
@@ -407,6 +493,12 @@ def _restarted(turn: _Turn, event: ControllerRestarted) -> None:
         rendezvous_deadline=event.grace_deadline + RENDEZVOUS_TIMEOUT_S,
     )
     run = turn.run
+    if run.path is PathClass.DIRECT and run.published is None and len(run.members) > 1:
+        # The keys and the mesh addresses of a direct network not yet in use went with
+        # the controller's memory: end this epoch (its devices come down).
+        cause = "the controller restarted while the direct network was being set up"
+        _fail(turn, JobState.FAILED, cause)
+        run = turn.run
     if run.job_state in _BEFORE_RENDEZVOUS:
         turn.set_job(
             JobState.RENDEZVOUS, f"epoch {run.epoch}: waiting for node0 to publish its address"
@@ -446,6 +538,8 @@ def _fail(turn: _Turn, state: JobState, cause: str) -> None:
         if not member.assigned:
             turn.set_member(member.node, MemberState.CANCELLED)
             turn.release(member.node)
+            if member.networked:  # its device comes down (the agent answers "absent")
+                turn.emit(SendStop(member.worker, cause))
             continue
         if not member.started:
             turn.set_member(member.node, MemberState.CANCELLED)

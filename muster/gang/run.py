@@ -71,6 +71,9 @@ class Member:
     released: bool = False  # ReleaseWorker was decided
     lost: bool = False  # its link is down and has not come back
     unconfirmed: bool = False  # after a controller restart, until its agent's LinkBack
+    networked: bool = False  # NET_SETUP was sent: a device of this run may exist on its worker
+    net_key: tuple[str, str] | None = None  # (public key, endpoint) from its NET_READY
+    net_up: bool = False  # NET_UP: its device knows every peer
 
     @property
     def may_be_alive(self) -> bool:

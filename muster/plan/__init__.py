@@ -1,12 +1,16 @@
 """Pure launch planning: the rank plan, the torchrun command, and each path's environment."""
 
 from muster.plan.env import (
+    MESH_GANGS,
+    MESH_MAX_NODES,
+    MESH_PREFIX,
     PATH_FIXED_NCCL,
     GangAddressing,
     Shim,
     gang_addressing,
     launch_env,
     mesh_address,
+    mesh_gang_of,
 )
 from muster.plan.ranks import (
     NodePlan,
@@ -18,6 +22,9 @@ from muster.plan.ranks import (
 )
 
 __all__ = [
+    "MESH_GANGS",
+    "MESH_MAX_NODES",
+    "MESH_PREFIX",
     "PATH_FIXED_NCCL",
     "GangAddressing",
     "NodePlan",
@@ -27,6 +34,7 @@ __all__ = [
     "gang_addressing",
     "launch_env",
     "mesh_address",
+    "mesh_gang_of",
     "rank_plan",
     "shell_line",
     "torchrun_argv",

@@ -13,6 +13,7 @@ The user's other NCCL_* values (NCCL_DEBUG, NCCL_ALGO, ...) pass through untouch
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -22,8 +23,14 @@ from muster.spec.network import MESH_INTERFACE, PathClass
 from muster.spec.rules import PLATFORM_ENV, PLATFORM_ENV_PREFIXES
 from muster.spec.worker import WorkerInventory
 
-#: First address of the direct path's mesh range (100.64.0.0/10); node r gets base + 1 + r.
+#: First address of the direct path's mesh range (100.64.0.0/10). Gang g (an index the
+#: controller allocates among its running direct gangs, so gangs sharing a host never share
+#: addresses) owns the /22 at base + g * 1024; its node r is base + g * 1024 + 1 + r.
 MESH_BASE = (100 << 24) | (64 << 16)
+MESH_PREFIX = 22
+MESH_GANG_SIZE = 1 << (32 - MESH_PREFIX)
+MESH_GANGS = 1 << (MESH_PREFIX - 10)  # 4,096 direct gangs at once
+MESH_MAX_NODES = MESH_GANG_SIZE - 2
 
 #: NCCL variables the path fixes; a job's own value for them is refused at submission.
 PATH_FIXED_NCCL = ("NCCL_NET", "NCCL_SOCKET_IFNAME", "NCCL_SOCKET_FAMILY", "NCCL_IB_DISABLE")
@@ -51,16 +58,27 @@ class Shim:
     socks: str  # host:port on the member itself
 
 
-def mesh_address(node_rank: int) -> str:
-    """The direct path's address of node ``node_rank``; every gang has its own network."""
-    value = MESH_BASE + 1 + node_rank
+def mesh_address(node_rank: int, gang: int = 0) -> str:
+    """The direct path's address of node ``node_rank`` of mesh gang ``gang``."""
+    if not 0 <= gang < MESH_GANGS or not 0 <= node_rank < MESH_MAX_NODES:
+        raise ValueError(f"no mesh address for node {node_rank} of mesh gang {gang}")
+    value = MESH_BASE + gang * MESH_GANG_SIZE + 1 + node_rank
     return ".".join(str((value >> shift) & 0xFF) for shift in (24, 16, 8, 0))
 
 
+def mesh_gang_of(address: str) -> int:
+    """The mesh gang index an address of the direct path belongs to."""
+    value = int(ipaddress.IPv4Address(address)) - MESH_BASE
+    if not 0 <= value < MESH_GANGS * MESH_GANG_SIZE:
+        raise ValueError(f"{address} is not in the direct path's mesh range (100.64.0.0/10)")
+    return value // MESH_GANG_SIZE
+
+
 def gang_addressing(
-    path: PathClass, members: Sequence[WorkerInventory], master_port: int
+    path: PathClass, members: Sequence[WorkerInventory], master_port: int, mesh: int = 0
 ) -> GangAddressing:
-    """Addresses and interfaces of a gang whose node r is ``members[r]``.
+    """Addresses and interfaces of a gang whose node r is ``members[r]`` (``mesh``: its
+    mesh gang index on the direct path).
 
     A gang of one needs no network: its rendezvous stays on the loopback interface.
     """
@@ -70,7 +88,7 @@ def gang_addressing(
         addresses = tuple(m.network.private_address or m.advertise_address or "" for m in members)
         interfaces = tuple(m.network.private_interface for m in members)
     elif path is PathClass.DIRECT:
-        addresses = tuple(mesh_address(r) for r in range(len(members)))
+        addresses = tuple(mesh_address(r, mesh) for r in range(len(members)))
         interfaces = tuple(MESH_INTERFACE for _ in members)
     else:
         addresses = tuple(m.advertise_address or "" for m in members)

@@ -152,7 +152,7 @@ class World:
         self.oracle = Oracle(workers)
         self.run = GangRun()
         self.now = 0.0
-        placed = Placed(JOB, EPOCH, workers, PathClass.DIRECT, None, timeout, "10.0.0.1")
+        placed = Placed(JOB, EPOCH, workers, PathClass.PRIVATE, None, timeout, "10.0.0.1")
         self.apply(placed)
 
     def apply(self, event: Event) -> None:
@@ -236,7 +236,7 @@ class World:
         self.run = GangRun.restore(
             run.job,
             run.epoch,
-            PathClass.DIRECT,
+            PathClass.PRIVATE,
             run.job_state,
             [
                 MemberSnapshot(m.worker, m.state, m.exit_code, m.outputs, m.released, m.assigned)

@@ -1,0 +1,193 @@
+"""The direct path's device: one WireGuard interface per member and epoch, next to the job.
+
+The agent makes it, never the job: a fresh X25519 key pair (the private key never leaves this
+host and never goes on a command line: ``wg`` reads it on stdin), a device ``muster0`` with the
+member's mesh address, MTU 1280 (safe across providers), and the gang's peers with a 25 s
+keepalive. Kernel WireGuard is used where the kernel has it; otherwise ``wireguard-go`` (user
+space, run in the foreground as the agent's child so it goes when the agent does). Removing the
+device ends wireguard-go.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+from muster.errors import InfrastructureError
+from muster.spec.network import MESH_INTERFACE
+
+MTU = 1280
+KEEPALIVE_S = 25
+WG_SOCKETS = Path("/run/wireguard")
+START_TIMEOUT_S = 10.0
+COMMAND_TIMEOUT_S = 15.0
+CAP_NET_ADMIN = 12
+
+
+@dataclass(frozen=True)
+class Peer:
+    public_key: str  # base64, as wg writes it
+    endpoint: str  # host:port where its device listens
+    address: str  # its mesh address (allowed-ips /32)
+
+
+def keypair() -> tuple[str, str]:
+    """A fresh (private, public) X25519 key pair, base64 as ``wg`` reads and writes them."""
+    private = X25519PrivateKey.generate()
+    raw = private.private_bytes(
+        serialization.Encoding.Raw,
+        serialization.PrivateFormat.Raw,
+        serialization.NoEncryption(),
+    )
+    public = private.public_key().public_bytes(
+        serialization.Encoding.Raw, serialization.PublicFormat.Raw
+    )
+    return base64.b64encode(raw).decode(), base64.b64encode(public).decode()
+
+
+def has_cap_net_admin() -> bool:
+    """This process may configure network devices (effective CAP_NET_ADMIN)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("CapEff:"):
+                return bool(int(line.split()[1], 16) >> CAP_NET_ADMIN & 1)
+    except OSError:
+        pass
+    return False
+
+
+def kernel_wireguard() -> bool:
+    return Path("/sys/module/wireguard").exists()
+
+
+def device_unavailable() -> str | None:
+    """Why this host cannot make a WireGuard device, or None when it can."""
+    if not has_cap_net_admin():
+        return "no CAP_NET_ADMIN (a container without it cannot make a network device)"
+    if shutil.which("ip") is None:
+        return "`ip` (iproute2) is not installed"
+    if shutil.which("wg") is None:
+        return "`wg` (wireguard-tools) is not installed"
+    if not kernel_wireguard():
+        if shutil.which("wireguard-go") is None:
+            return "neither kernel WireGuard nor `wireguard-go` is available"
+        if not Path("/dev/net/tun").exists():
+            return "no /dev/net/tun (wireguard-go needs a TUN device)"
+    return None
+
+
+def _run(*args: str, input: str | None = None) -> str:
+    try:
+        done = subprocess.run(
+            list(args),
+            capture_output=True,
+            text=True,
+            input=input,
+            timeout=COMMAND_TIMEOUT_S,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise InfrastructureError(f"`{' '.join(args[:3])}` failed: {exc}") from exc
+    if done.returncode != 0:
+        raise InfrastructureError(
+            f"`{' '.join(args[:4])}` failed ({done.returncode}): {done.stderr.strip()}"
+        )
+    return done.stdout
+
+
+class Device:
+    """``muster0`` for one member of one epoch; ``down`` removes every trace of it."""
+
+    def __init__(self, name: str = MESH_INTERFACE, log_dir: Path | None = None) -> None:
+        self.name = name
+        self.log_dir = log_dir
+        self.process: subprocess.Popen[bytes] | None = None
+        self.public_key = ""
+        self.port = 0
+
+    def up(self, address: str, prefix: int) -> None:
+        """Create the device with ``address/prefix``, a fresh key, and a random UDP port."""
+        self.down()  # whatever an earlier epoch (or a crashed agent) left
+        private, self.public_key = keypair()
+        if kernel_wireguard():
+            _run("ip", "link", "add", self.name, "type", "wireguard")
+        else:
+            self._start_wireguard_go()
+        try:
+            # The private key goes in on stdin: never on a command line, never in a file.
+            _run("wg", "set", self.name, "private-key", "/dev/stdin", "listen-port", "0",
+                 input=private + "\n")  # fmt: skip
+            self.port = int(_run("wg", "show", self.name, "listen-port").strip())
+            _run("ip", "address", "add", f"{address}/{prefix}", "dev", self.name)
+            _run("ip", "link", "set", self.name, "mtu", str(MTU), "up")
+        except BaseException:
+            self.down()
+            raise
+
+    def _start_wireguard_go(self) -> None:
+        log: IO[bytes] | None = None
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            log = open(self.log_dir / "wireguard-go.log", "ab")  # noqa: SIM115 - the child's
+        try:
+            self.process = subprocess.Popen(
+                ["wireguard-go", self.name],
+                env={**_clean_env(), "WG_PROCESS_FOREGROUND": "1"},
+                stdin=subprocess.DEVNULL,
+                stdout=log if log is not None else subprocess.DEVNULL,
+                stderr=subprocess.STDOUT,
+            )
+        finally:
+            if log is not None:
+                log.close()
+        socket = WG_SOCKETS / f"{self.name}.sock"
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not socket.exists():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.down()
+                raise InfrastructureError(
+                    f"wireguard-go did not create {self.name} within {START_TIMEOUT_S:.0f}s"
+                )
+            time.sleep(0.02)
+
+    def set_peers(self, peers: Sequence[Peer]) -> None:
+        for peer in peers:
+            _run("wg", "set", self.name, "peer", peer.public_key, "endpoint", peer.endpoint,
+                 "allowed-ips", f"{peer.address}/32",
+                 "persistent-keepalive", str(KEEPALIVE_S))  # fmt: skip
+
+    def handshakes(self) -> dict[str, float]:
+        """Peer public key -> seconds since the epoch of its latest handshake (0: none)."""
+        out = _run("wg", "show", self.name, "latest-handshakes")
+        return {key: float(when) for key, when in (line.split() for line in out.splitlines())}
+
+    def down(self) -> None:
+        """Remove the device (and so wireguard-go); never raises."""
+        with contextlib.suppress(Exception):
+            if Path(f"/sys/class/net/{self.name}").exists():
+                _run("ip", "link", "delete", self.name)
+        if self.process is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(5)
+            if self.process.poll() is None:
+                self.process.kill()
+                self.process.wait(5)
+            self.process = None
+        with contextlib.suppress(OSError):
+            (WG_SOCKETS / f"{self.name}.sock").unlink(missing_ok=True)
+        self.public_key, self.port = "", 0
+
+
+def _clean_env() -> dict[str, str]:
+    """No MUSTER_* (the join secret) reaches wireguard-go."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("MUSTER_")}

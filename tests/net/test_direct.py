@@ -1,0 +1,138 @@
+"""The direct path end to end: real agents on hosts in two routed regions (no shared private
+network) build a WireGuard mesh with wireguard-go, and a 2x2 gloo job runs over it."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.net.conftest import needs
+from tests.net.rig import Host, Rig
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.timeout(300)
+
+ENV_PROBE = """
+import os, socket, torch.distributed as dist
+keys = ("MASTER_ADDR", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "NCCL_NET",
+        "NCCL_IB_DISABLE", "MUSTER_GANG_TRANSPORT", "MUSTER_NODE_IPS")
+print("env " + " ".join(f"{k}={os.environ.get(k, '-')}" for k in keys), flush=True)
+dist.init_process_group("gloo")
+t = torch_tensor = __import__("torch").ones(1) * (dist.get_rank() + 1)
+dist.all_reduce(t)
+n = dist.get_world_size()
+print(f"sum={int(t.item())} expected={n * (n + 1) // 2}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def wait_done(rig: Rig, job_id: str, timeout: float = 180) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    job: dict[str, Any] = rig.api("job", job_id)
+    while job["state"] not in ("succeeded", "failed", "cancelled"):
+        assert time.monotonic() < deadline, f"{job_id} still {job['state']}: {job['events']}"
+        time.sleep(0.5)
+        job = rig.api("job", job_id)
+    return job
+
+
+def no_device_left(rig: Rig, host: Host) -> None:
+    links = rig.run(host, "ip", "-o", "link", "show").stdout
+    assert "muster0" not in links, links
+    assert rig.run(host, "wg", "show", "interfaces").stdout.strip() == ""
+    assert rig.run(host, "ls", "/run/wireguard").stdout.strip() == ""
+
+
+def test_a_gloo_job_runs_over_the_direct_path_between_two_regions(rig: Rig, tmp_path: Path) -> None:
+    needs("wg", "wireguard-go")
+    h1, h2 = rig.two_regions(2)
+    ctl = rig.hosts["ctl"]
+    rig.start_controller(ctl)
+    for host in (h1, h2):
+        rig.start_agent(host)
+    rig.wait_for_workers(["h1", "h2"])
+
+    job_dir = tmp_path / "direct"
+    job_dir.mkdir()
+    (job_dir / "train.py").write_text(ENV_PROBE)
+    (job_dir / "job.yaml").write_text(
+        "name: direct\nentrypoint: train.py\ntimeout: 5m\n"
+        "distributed: {num_workers: 2, procs_per_worker: 2, backend: gloo}\n"
+    )
+    job_id = rig.muster(ctl, "submit", str(job_dir / "job.yaml")).strip()
+    job = wait_done(rig, job_id)
+    assert job["state"] == "succeeded", (job["root_cause"], job["events"])
+    assert job["path_class"] == "direct"
+    kinds = [e["kind"] for e in job["events"]]
+    assert kinds.index("NetworkReady") < kinds.index("RendezvousPublished")
+
+    lines = rig.api("logs", job_id)["lines"]
+    envs = {ln["rank"]: ln["text"] for ln in lines if ln["text"].startswith("env ")}
+    assert sorted(envs) == [0, 1, 2, 3], lines
+    node0 = {m["node_rank"]: m for m in job["members"]}[0]
+    for rank, text in envs.items():
+        env = dict(item.split("=", 1) for item in text.split()[1:])
+        assert env["MASTER_ADDR"] == "100.64.0.1", (rank, env)
+        assert env["GLOO_SOCKET_IFNAME"] == env["NCCL_SOCKET_IFNAME"] == "muster0"
+        assert env["NCCL_NET"] == "Socket"
+        assert env["NCCL_IB_DISABLE"] == "1"
+        assert env["MUSTER_GANG_TRANSPORT"] == "direct"
+        assert env["MUSTER_NODE_IPS"] == "100.64.0.1,100.64.0.2"
+    sums = [ln["text"] for ln in lines if ln["text"].startswith("sum=")]
+    assert sums == ["sum=10 expected=10"] * 4, lines
+    assert node0["worker"] in ("h1", "h2")
+
+    # Nothing of the gang's network is left on either host once the job is over.
+    deadline = time.monotonic() + 15
+    while True:
+        try:
+            for host in (h1, h2):
+                no_device_left(rig, host)
+            break
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+def test_a_container_only_host_is_never_placed_on_the_direct_path(rig: Rig, tmp_path: Path) -> None:
+    """It reports that it cannot make a device; a gang that only the direct path could
+    carry waits with the reason instead of failing on it."""
+    needs("wg", "wireguard-go")
+    h1, h2 = rig.two_regions(2)
+    h2.container_only = True  # its agent runs without CAP_NET_ADMIN and /dev/net/tun
+    ctl = rig.hosts["ctl"]
+    rig.start_controller(ctl)
+    for host in (h1, h2):
+        rig.start_agent(host)
+    rig.wait_for_workers(["h1", "h2"])
+    network = {w["id"]: w["network"] for w in rig.api("workers")}
+    assert network["h1"]["can_create_device"] is True
+    assert network["h1"]["container_only"] is False
+    assert network["h2"]["can_create_device"] is False
+    assert network["h2"]["container_only"] is True
+
+    job_dir = tmp_path / "waits"
+    job_dir.mkdir()
+    (job_dir / "train.py").write_text("print('never')\n")
+    (job_dir / "job.yaml").write_text(
+        "name: waits\nentrypoint: train.py\n"
+        "distributed: {num_workers: 2, procs_per_worker: 1, backend: gloo}\n"
+    )
+    job_id = rig.muster(ctl, "submit", str(job_dir / "job.yaml")).strip()
+    deadline = time.monotonic() + 20
+    job = rig.api("job", job_id)
+    while not job["why_pending"]:
+        assert time.monotonic() < deadline, job
+        time.sleep(0.5)
+        job = rig.api("job", job_id)
+    time.sleep(2)
+    job = rig.api("job", job_id)
+    assert job["state"] == "queued", job
+    # Only h1 could join a direct gang: the reason says so.
+    assert "a private or direct path" in job["why_pending"], job["why_pending"]
+    assert "1 on direct path" in job["why_pending"], job["why_pending"]
+    rig.api("cancel", job_id)
