@@ -132,7 +132,7 @@ class Agent:
         self.link_up = asyncio.Event()
         self._background: set[asyncio.Task[None]] = set()
         self.alive_file = config.work_dir / ".agent-alive"
-        self.network = GangNetwork(self.send, config.work_dir / ".net")
+        self.network = GangNetwork(self.send, config.work_dir / ".net", _reflector(config))
 
     # ---- dialing -------------------------------------------------------------------------
 
@@ -157,7 +157,7 @@ class Agent:
         finally:
             beats.cancel()
             collector.cancel()
-            await self.network.down()
+            await self.network.down(closing=True)
 
     async def _collect_work_dirs(self, every: float = 3600.0) -> None:
         """Retention: every hour, remove the stale job directories of ended members."""
@@ -287,6 +287,8 @@ class Agent:
             for member in self.members.values():  # uploads under way use the new ticket
                 member.http.headers["Authorization"] = f"Ticket {self.ticket}"
             self.link_up.set()
+            # A gang network no member here uses ended while this agent was away.
+            self._in_background(self.network.keep_only(set(self.members)))
             # Beat and read from the first moment: the set-up below may take a while.
             tasks = [asyncio.create_task(self._heartbeats())]
             tasks.append(asyncio.create_task(self._after_welcome(tasks)))
@@ -520,6 +522,14 @@ class Agent:
     async def _stop_all(self, reason: str) -> None:
         for member in list(self.members.values()):
             await member.stop(reason)
+
+
+def _reflector(config: AgentConfig) -> tuple[str, int] | None:
+    """The controller's UDP reflector: its host, on its port number."""
+    url = urlparse(config.controller)
+    if not url.hostname:
+        return None
+    return url.hostname, url.port or (443 if url.scheme == "https" else 80)
 
 
 def free_port(addr: str) -> int:

@@ -10,33 +10,48 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from muster.net.endpoint import public_endpoint
 from muster.net.wireguard import Device, Peer, device_unavailable
 from muster.wire import Kind
 
 log = logging.getLogger("muster.agent")
 
+# WireGuard retries a handshake every 5 s; a hole punched through two NATs may take a few.
+HANDSHAKE_TIMEOUT_S = 30.0
+HANDSHAKE_POLL_S = 0.2
+
 Send = Callable[[Kind, dict[str, Any]], Awaitable[object]]
 
 
 class GangNetwork:
-    def __init__(self, send: Send, log_dir: Path) -> None:
+    def __init__(self, send: Send, log_dir: Path, reflector: tuple[str, int] | None) -> None:
         self.send = send
+        self.reflector = reflector  # the controller's host and port number (UDP)
         self.device = Device(log_dir=log_dir)
         self.owner: tuple[str, int] | None = None  # (job, epoch) whose device is up
         self._lock = asyncio.Lock()  # one device change at a time
+        self.closed = False  # the agent is stopping: no device is made any more
 
     async def setup(self, body: dict[str, Any]) -> None:
         ids = {k: body.get(k) for k in ("job", "epoch", "node_rank")}
         why = device_unavailable()
+        public: tuple[str, int] | None = None
         if why is None:
             async with self._lock:
                 try:
+                    port = 0
+                    if self.reflector is not None:
+                        # The port the device will listen on, and how the outside sees it.
+                        port, public = await asyncio.to_thread(public_endpoint, self.reflector)
+                    if self.closed:
+                        raise RuntimeError("the agent is stopping")
                     await asyncio.to_thread(
-                        self.device.up, str(body["address"]), int(body["prefix"])
+                        self.device.up, str(body["address"]), int(body["prefix"]), port
                     )
                     self.owner = (str(body["job"]), int(body["epoch"]))
                 except Exception as exc:  # the controller fails the epoch with this reason
@@ -46,18 +61,26 @@ class GangNetwork:
             await self.send(Kind.NET_READY, {**ids, "error": why})
             return
         log.info(
-            "job %s: device %s up at %s, UDP port %d",
+            "job %s: device %s up at %s, UDP port %d (seen outside as %s)",
             ids["job"],
             self.device.name,
             body["address"],
             self.device.port,
+            f"{public[0]}:{public[1]}" if public else "unknown",
         )
-        await self.send(
-            Kind.NET_READY,
-            {**ids, "public_key": self.device.public_key, "port": self.device.port},
-        )
+        ready: dict[str, Any] = {
+            **ids,
+            "public_key": self.device.public_key,
+            "port": self.device.port,
+        }
+        if public is not None:
+            ready["public"] = {"addr": public[0], "port": public[1]}
+        await self.send(Kind.NET_READY, ready)
 
     async def set_peers(self, body: dict[str, Any]) -> None:
+        """Give the device its peers, then wait (bounded) until a WireGuard handshake with
+        every one of them proves the path: NET_UP, or NET_READY with the peers that never
+        answered (the controller fails the epoch naming them)."""
         ids = {k: body.get(k) for k in ("job", "epoch", "node_rank")}
         if self.owner != (str(body.get("job")), body.get("epoch")):
             log.warning("NET_PEERS for job %s, whose device is not up here", ids["job"])
@@ -69,20 +92,50 @@ class GangNetwork:
         async with self._lock:
             try:
                 await asyncio.to_thread(self.device.set_peers, peers)
+                silent = await self._await_handshakes(peers)
             except Exception as exc:
                 log.warning("job %s: setting the peers failed: %s", ids["job"], exc)
                 await self.send(Kind.NET_READY, {**ids, "error": f"setting the peers: {exc}"})
                 return
+        if silent:
+            why = "no WireGuard handshake within {:.0f}s with {}".format(
+                HANDSHAKE_TIMEOUT_S,
+                ", ".join(f"{p.address} at {p.endpoint}" for p in silent),
+            )
+            log.warning("job %s: %s", ids["job"], why)
+            await self.send(Kind.NET_READY, {**ids, "error": why})
+            return
         await self.send(Kind.NET_UP, ids)
 
-    async def down(self, job: str | None = None) -> None:
-        """Remove the device of ``job`` (any, when None); never raises."""
-        if self.owner is None or (job is not None and self.owner[0] != job):
-            return
+    async def _await_handshakes(self, peers: list[Peer]) -> list[Peer]:
+        """The peers with no handshake yet once HANDSHAKE_TIMEOUT_S is over (or none)."""
+        deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
+        while True:
+            done = await asyncio.to_thread(self.device.handshakes)
+            silent = [p for p in peers if not done.get(p.public_key)]
+            if not silent or time.monotonic() > deadline:
+                return silent
+            await asyncio.sleep(HANDSHAKE_POLL_S)
+
+    async def down(self, job: str | None = None, *, closing: bool = False) -> None:
+        """Remove the device of ``job`` (any, when None); never raises. ``closing``: the
+        agent stops, and makes no device after this."""
+        if closing:
+            self.closed = True
         async with self._lock:
+            owner = self.owner
+            if owner is None or (job is not None and owner[0] != job):
+                return
             try:
                 await asyncio.to_thread(self.device.down)
             except Exception:
-                log.exception("removing the device of job %s", self.owner[0])
-            log.info("job %s: device %s removed", self.owner[0], self.device.name)
+                log.exception("removing the device of job %s", owner[0])
+            log.info("job %s: device %s removed", owner[0], self.device.name)
             self.owner = None
+
+    async def keep_only(self, jobs: set[str]) -> None:
+        """A new link: drop a device that no member here uses (its gang ended, or the
+        controller restarted, while this agent was away)."""
+        owner = self.owner
+        if owner is not None and owner[0] not in jobs:
+            await self.down(owner[0])

@@ -27,6 +27,7 @@ from muster.controller.links import (
     serve_frames,
 )
 from muster.controller.metrics import Metrics
+from muster.controller.reflector import start_reflector
 from muster.errors import MusterError, SpecError
 from muster.store import Store
 from muster.wire import Kind
@@ -82,9 +83,12 @@ def create_app(config: ControllerConfig) -> FastAPI:
             asyncio.create_task(lease.keep()),
         ]
         controller.request_pass()
+        reflector = await start_reflector(config.host, config.port, metrics)
         try:
             yield
         finally:
+            if reflector is not None:
+                reflector.close()
             controller.exiting = True  # the links that close now are not hosts lost
             for task in tasks[1:]:  # supervision and ingest first: nothing new is decided
                 task.cancel()

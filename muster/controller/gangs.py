@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import ipaddress
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -60,7 +61,7 @@ from muster.gang import (
     Tick,
     step,
 )
-from muster.plan import MESH_GANGS, MESH_PREFIX, gang_addressing, mesh_address
+from muster.plan import MESH_GANGS, MESH_MAX_NODES, MESH_PREFIX, gang_addressing, mesh_address
 from muster.scheduler import Placement, PoolIndex, QueuedJob, schedule
 from muster.spec import JobSpec, JobState, MemberState, PathClass, WorkerInventory, WorkerState
 from muster.store import Store
@@ -115,6 +116,7 @@ class Controller:
         self.logs = LogIngest(store, metrics)
         self.writer = StoreWriter(store, metrics, self._flushed)
         self._specs: dict[str, JobSpec] = {}  # queued jobs' parsed specs
+        self._recording: set[str] = set()  # workers whose INVENTORY write is not committed
         self._why: dict[str, tuple[str | None, float]] = {}  # queued: (reason written, when)
         self._pass_wanted = True
         self.last_pass_took = 0.0
@@ -360,7 +362,13 @@ class Controller:
         """One pass over a non-empty queue (the lock held)."""
         # Only workers with a live link: a lost one may still read idle until the group
         # commit of its OFFLINE lands.
-        views = [v for v in await self.db(self.store.workers) if v.inventory.id in self.links]
+        # Nor a worker whose INVENTORY is on its way to the store: that write decided what
+        # the worker is free for before this pass, and would overwrite a reservation made now.
+        views = [
+            v
+            for v in await self.db(self.store.workers)
+            if v.inventory.id in self.links and v.inventory.id not in self._recording
+        ]
         new = [job_id for job_id, _seq, _bundle in queued if job_id not in self._specs]
         stored = await self.db(self.store.specs, new) if new else {}
         jobs = []
@@ -413,11 +421,16 @@ class Controller:
             self._specs.pop(job_id, None)
             self._why.pop(job_id, None)
             entry = RunEntry(GangRun(), spec, list(outcome.members), bundles[job_id])
-            if outcome.path is PathClass.DIRECT:
-                entry.mesh = self._free_mesh()
             self.runs[job_id] = entry
             self.logs.note_senders(job_id, list(outcome.worker_ids))
             try:
+                if outcome.path is PathClass.DIRECT:
+                    if len(outcome.worker_ids) > MESH_MAX_NODES:
+                        raise BadRequest(
+                            f"the direct path takes at most {MESH_MAX_NODES} members; "
+                            f"this gang has {len(outcome.worker_ids)}"
+                        )
+                    entry.mesh = self._free_mesh()
                 planned = gang_addressing(outcome.path, entry.inventories, 0, entry.mesh)
                 await self._step(
                     entry,
@@ -527,7 +540,10 @@ class Controller:
                     async with self.lock:
                         recorded = await self._inventory(link, item.body)
                     if recorded is not None:
-                        await recorded  # on record (outside the lock) before the pass reads it
+                        try:
+                            await recorded  # on record (outside the lock), then a pass
+                        finally:
+                            self._recording.discard(link.worker_id)
                         self.request_pass()
                     continue
                 async with self.lock:
@@ -595,11 +611,18 @@ class Controller:
         return await self._step(entry, event)
 
     def _net_ready(self, entry: RunEntry, node: int, body: dict[str, Any]) -> NetReady:
-        """NET_READY: the endpoint is where the member's agent is reached, and its port."""
+        """NET_READY: the member's endpoint is where the reflector saw it (its NAT's public
+        address and mapped port), or else its advertise address and the device's port."""
         if body.get("error"):
             return NetReady(node, error=str(body["error"])[:500])
         key, port = str(body.get("public_key") or ""), int(body.get("port") or 0)
         host = entry.inventories[node].advertise_address or ""
+        public = body.get("public")
+        if isinstance(public, dict):
+            seen = _address_port(public.get("addr"), public.get("port"))
+            if seen is None:
+                return NetReady(node, error=f"a malformed public endpoint {public!r}")
+            host, port = seen
         if not _is_wg_key(key) or not 0 < port < 65536 or not host:
             return NetReady(node, error=f"a malformed NET_READY (key {key[:8]!r}, port {port})")
         endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -642,6 +665,7 @@ class Controller:
         written = self.writer.submit(
             [InventoryWrite(inventory.model_dump(mode="json"), held_by, bool(stale))]
         )
+        self._recording.add(worker)
         for report in stale:
             order = {"job": report.job, "epoch": report.epoch, "node_rank": report.node}
             await link.send(Kind.STOP, {**order, "reason": "the job is not running"})
@@ -769,3 +793,11 @@ def _is_wg_key(key: str) -> bool:
         return len(base64.b64decode(key, validate=True)) == 32
     except ValueError:
         return False
+
+
+def _address_port(addr: object, port: object) -> tuple[str, int] | None:
+    try:
+        host, number = str(ipaddress.ip_address(str(addr))), int(str(port))
+    except ValueError:
+        return None
+    return (host, number) if 0 < number < 65536 else None

@@ -180,6 +180,7 @@ def _placed(turn: _Turn, event: Placed) -> None:
 
 
 def _start_rendezvous(turn: _Turn) -> None:
+    turn.run = replace(turn.run, rendezvous_deadline=turn.now + RENDEZVOUS_TIMEOUT_S)
     run = turn.run
     why = f"epoch {run.epoch}: waiting for node0 to publish its address"
     turn.set_job(JobState.RENDEZVOUS, why)
@@ -188,8 +189,10 @@ def _start_rendezvous(turn: _Turn) -> None:
 
 def _net_ready(turn: _Turn, event: NetReady) -> None:
     member = turn.member(event.node)
-    if member is None or turn.run.job_state is not JobState.NETWORKING or member.net_key:
+    if member is None or turn.run.job_state is not JobState.NETWORKING:
         return
+    if member.net_key and event.error is None:
+        return  # a repeated NET_READY
     if event.error is not None or not event.public_key or not event.endpoint:
         why = event.error or "its NET_READY carried no key or endpoint"
         _fail(
@@ -495,7 +498,8 @@ def _restarted(turn: _Turn, event: ControllerRestarted) -> None:
     run = turn.run
     if run.path is PathClass.DIRECT and run.published is None and len(run.members) > 1:
         # The keys and the mesh addresses of a direct network not yet in use went with
-        # the controller's memory: end this epoch (its devices come down).
+        # the controller's memory: end this epoch. (Its devices come down on the agents'
+        # side: an agent that dials in again drops a device no member of its uses.)
         cause = "the controller restarted while the direct network was being set up"
         _fail(turn, JobState.FAILED, cause)
         run = turn.run

@@ -4,16 +4,18 @@ The agent makes it, never the job: a fresh X25519 key pair (the private key neve
 host and never goes on a command line: ``wg`` reads it on stdin), a device ``muster0`` with the
 member's mesh address, MTU 1280 (safe across providers), and the gang's peers with a 25 s
 keepalive. Kernel WireGuard is used where the kernel has it; otherwise ``wireguard-go`` (user
-space, run in the foreground as the agent's child so it goes when the agent does). Removing the
-device ends wireguard-go.
+space, run in the foreground as the agent's child, with a parent-death signal, so it goes when
+the agent does, even killed). Removing the device ends wireguard-go.
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
+import ctypes
 import os
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Sequence
@@ -33,6 +35,7 @@ WG_SOCKETS = Path("/run/wireguard")
 START_TIMEOUT_S = 10.0
 COMMAND_TIMEOUT_S = 15.0
 CAP_NET_ADMIN = 12
+PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,7 @@ def _run(*args: str, input: str | None = None) -> str:
             text=True,
             input=input,
             timeout=COMMAND_TIMEOUT_S,
+            env=_clean_env(),
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise InfrastructureError(f"`{' '.join(args[:3])}` failed: {exc}") from exc
@@ -115,8 +119,9 @@ class Device:
         self.public_key = ""
         self.port = 0
 
-    def up(self, address: str, prefix: int) -> None:
-        """Create the device with ``address/prefix``, a fresh key, and a random UDP port."""
+    def up(self, address: str, prefix: int, listen_port: int = 0) -> None:
+        """Create the device with ``address/prefix``, a fresh key, listening on UDP
+        ``listen_port`` (0: a random one)."""
         self.down()  # whatever an earlier epoch (or a crashed agent) left
         private, self.public_key = keypair()
         if kernel_wireguard():
@@ -125,8 +130,8 @@ class Device:
             self._start_wireguard_go()
         try:
             # The private key goes in on stdin: never on a command line, never in a file.
-            _run("wg", "set", self.name, "private-key", "/dev/stdin", "listen-port", "0",
-                 input=private + "\n")  # fmt: skip
+            _run("wg", "set", self.name, "private-key", "/dev/stdin",
+                 "listen-port", str(listen_port), input=private + "\n")  # fmt: skip
             self.port = int(_run("wg", "show", self.name, "listen-port").strip())
             _run("ip", "address", "add", f"{address}/{prefix}", "dev", self.name)
             _run("ip", "link", "set", self.name, "mtu", str(MTU), "up")
@@ -146,6 +151,7 @@ class Device:
                 stdin=subprocess.DEVNULL,
                 stdout=log if log is not None else subprocess.DEVNULL,
                 stderr=subprocess.STDOUT,
+                preexec_fn=_die_with_parent,
             )
         finally:
             if log is not None:
@@ -186,6 +192,14 @@ class Device:
         with contextlib.suppress(OSError):
             (WG_SOCKETS / f"{self.name}.sock").unlink(missing_ok=True)
         self.public_key, self.port = "", 0
+
+
+def _die_with_parent() -> None:
+    """In the child: SIGTERM when the agent dies, even by SIGKILL (Linux prctl). Linux sends
+    it when the thread that started the child ends: the agent starts it from its default
+    executor's threads, which live as long as the agent."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _clean_env() -> dict[str, str]:

@@ -66,17 +66,16 @@ class WorkerRepository(Repository):
         validated once per content (a pass reads every worker, and they rarely change)."""
         with self.db.read() as s:
             rows = hot.worker_rows(s.connection())
+        known = self._validated
+        fresh: dict[str, tuple[dict[str, Any], WorkerInventory]] = {}
         views = []
         for worker_id, state, data in rows:
-            cached = self._validated.get(worker_id)
+            cached = known.get(worker_id)
             if cached is None or cached[0] != data:
                 cached = (data, WorkerInventory.model_validate(data, strict=False))
-                self._validated[worker_id] = cached
+            fresh[worker_id] = cached
             views.append(WorkerView(inventory=cached[1], state=WorkerState(state)))
-        if len(self._validated) > len(rows):  # workers removed (muster gc)
-            alive = {worker_id for worker_id, _s, _d in rows}
-            for gone in self._validated.keys() - alive:
-                del self._validated[gone]
+        self._validated = fresh  # swapped whole: callers in other threads see one or the other
         return views
 
     def worker_rows(self) -> list[Worker]:

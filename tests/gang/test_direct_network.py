@@ -108,3 +108,30 @@ def test_frames_of_the_network_phase_are_ignored_after_it() -> None:
     assert run.job_state is J.RENDEZVOUS
     assert step(run, NetReady(0, error="late"), 2)[1] == ()
     assert step(run, NetUp(1), 2)[1] == ()
+
+
+def test_a_member_whose_peers_cannot_be_set_fails_the_job_with_its_reason() -> None:
+    run = placed()
+    for key in KEYS:
+        run, _ = step(run, key, 1)
+    run, actions = step(run, NetReady(2, error="no WireGuard handshake within 30s with x"), 2)
+    assert actions[0] == SetJobState(
+        J.FAILED,
+        "node2 (worker w2) could not set up the direct path: "
+        "no WireGuard handshake within 30s with x",
+    )
+
+
+def test_the_rendezvous_gets_its_whole_time_after_a_slow_network() -> None:
+    run = placed()
+    for key in KEYS:
+        run, _ = step(run, key, 100)
+    for node in range(3):
+        run, _ = step(run, NetUp(node), 110)
+    run, actions = step(run, Tick(), 110 + RENDEZVOUS_TIMEOUT_S - 1)
+    assert actions == ()
+    run, actions = step(run, Tick(), 110 + RENDEZVOUS_TIMEOUT_S + 1)
+    first = actions[0]
+    assert isinstance(first, SetJobState)
+    assert first.state is J.FAILED
+    assert "did not publish its rendezvous address within 120s" in first.reason

@@ -232,7 +232,9 @@ class Rig:
 
     def add_nat(self, name: str, host: Host, wan: Switch, index: int) -> Host:
         """Put ``host`` alone behind a NAT router on ``wan``: masquerade out, and nothing
-        in that the host did not open (as a home router). Needs nftables."""
+        in that the host did not open, to the host or to the router itself (as a home
+        router: a stray inbound datagram that the router took for itself would leave a
+        conntrack entry that makes masquerade map the host's port elsewhere). Needs nftables."""
         why = missing_tools("nft")
         if why:
             raise RigUnavailable(why)
@@ -248,6 +250,10 @@ table ip muster_rig_nat {
     type filter hook forward priority filter; policy drop;
     ct state established,related accept
     iifname "lan0" oifname "wan0" accept
+  }
+  chain input {
+    type filter hook input priority filter; policy accept;
+    iifname "wan0" ct state new drop
   }
 }
 """
@@ -275,7 +281,7 @@ table ip muster_rig_nat {
             hosts.append(host)
         return hosts
 
-    def two_regions(self, count: int) -> list[Host]:
+    def two_regions(self, count: int, *, container_only: Sequence[str] = ()) -> list[Host]:
         """Hosts alternately on 10.77.1.0/24 and 10.77.2.0/24, a router between; ctl on
         the first."""
         a, b = self.add_switch("a", "10.77.1"), self.add_switch("b", "10.77.2")
@@ -285,22 +291,27 @@ table ip muster_rig_nat {
         self.route(ctl, "10.77.1.1")
         hosts = []
         for i in range(1, count + 1):
-            host = self.add_host(f"h{i}")
+            host = self.add_host(f"h{i}", container_only=f"h{i}" in container_only)
             switch = a if i % 2 else b
             self.plug(host, switch)
             self.route(host, f"{switch.subnet}.1")
             hosts.append(host)
         return hosts
 
-    def behind_nats(self, count: int) -> list[Host]:
+    def behind_nats(self, count: int, public: int = 0) -> list[Host]:
         """Each host hN alone behind NAT router natN (192.168.N.0/24 inside); routers and
-        ctl on the internet switch (203.0.113.0/24)."""
+        ctl on the internet switch (203.0.113.0/24), and ``public`` more hosts on it with
+        public addresses of their own (no NAT)."""
         wan = self.add_switch("wan", WAN_NET)
         self.plug(self.add_host("ctl"), wan, last=2)
         hosts = []
         for i in range(1, count + 1):
             host = self.add_host(f"h{i}")
             self.add_nat(f"nat{i}", host, wan, i)
+            hosts.append(host)
+        for i in range(count + 1, count + public + 1):
+            host = self.add_host(f"h{i}")
+            self.plug(host, wan, last=200 + i)
             hosts.append(host)
         return hosts
 
@@ -344,6 +355,10 @@ table ip muster_rig_nat {
             )
         self.procs.append(proc)
         return proc
+
+    def nft(self, host: Host, ruleset: str) -> None:
+        """Load an nftables ruleset on ``host`` (``nft -f -``)."""
+        sh(*host.argv(["nft", "-f", "-"]), input=ruleset)
 
     def log(self, host: Host, name: str) -> Path:
         return host.root / f"{name}.log"

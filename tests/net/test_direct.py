@@ -102,8 +102,7 @@ def test_a_container_only_host_is_never_placed_on_the_direct_path(rig: Rig, tmp_
     """It reports that it cannot make a device; a gang that only the direct path could
     carry waits with the reason instead of failing on it."""
     needs("wg", "wireguard-go")
-    h1, h2 = rig.two_regions(2)
-    h2.container_only = True  # its agent runs without CAP_NET_ADMIN and /dev/net/tun
+    h1, h2 = rig.two_regions(2, container_only=["h2"])  # no CAP_NET_ADMIN, no /dev/net/tun
     ctl = rig.hosts["ctl"]
     rig.start_controller(ctl)
     for host in (h1, h2):
@@ -136,3 +135,83 @@ def test_a_container_only_host_is_never_placed_on_the_direct_path(rig: Rig, tmp_
     assert "a private or direct path" in job["why_pending"], job["why_pending"]
     assert "1 on direct path" in job["why_pending"], job["why_pending"]
     rig.api("cancel", job_id)
+
+
+def test_a_three_node_job_runs_direct_across_two_nats(rig: Rig, tmp_path: Path) -> None:
+    """h1 and h2 each behind a NAT router that drops what they did not open, h3 on a public
+    address: every pair reaches the other only because each member learnt its public UDP
+    endpoint from the controller's reflector and both sides sent at once."""
+    needs("wg", "wireguard-go", "nft")
+    h1, h2, h3 = rig.behind_nats(2, public=1)
+    assert not rig.reaches(h1, h2.address)
+    assert not rig.reaches(h3, h1.address)
+    ctl = rig.hosts["ctl"]
+    rig.start_controller(ctl)
+    for host in (h1, h2, h3):
+        rig.start_agent(host)
+    rig.wait_for_workers(["h1", "h2", "h3"])
+
+    job_dir = tmp_path / "nat"
+    job_dir.mkdir()
+    (job_dir / "train.py").write_text(ENV_PROBE)
+    (job_dir / "job.yaml").write_text(
+        "name: nat\nentrypoint: train.py\ntimeout: 5m\n"
+        "distributed: {num_workers: 3, procs_per_worker: 1, backend: gloo}\n"
+    )
+    job_id = rig.muster(ctl, "submit", str(job_dir / "job.yaml")).strip()
+    job = wait_done(rig, job_id)
+    assert job["state"] == "succeeded", (job["root_cause"], job["events"])
+    assert job["path_class"] == "direct"
+    lines = rig.api("logs", job_id)["lines"]
+    sums = [ln["text"] for ln in lines if ln["text"].startswith("sum=")]
+    assert sums == ["sum=6 expected=6"] * 3, lines
+    # The NAT'd members were reached at their routers' public addresses.
+    for host, public in ((h1, "203.0.113.101"), (h2, "203.0.113.102")):
+        log = rig.log(host, "agent").read_text()
+        assert f"seen outside as {public}:" in log, log[-2000:]
+
+
+def test_a_path_that_carries_no_udp_fails_the_epoch_naming_the_peer(
+    rig: Rig, tmp_path: Path
+) -> None:
+    """The router between the regions drops UDP: the devices get their peers, no handshake
+    ever comes, and the job fails before its command starts, naming the silent peer; no
+    device is left behind."""
+    needs("wg", "wireguard-go", "nft")
+    h1, h2 = rig.two_regions(2)
+    router = rig.hosts["r1"]
+    rig.nft(
+        router,
+        "table ip rig_block {\n"
+        "  chain forward { type filter hook forward priority -10; meta l4proto udp drop; }\n"
+        "}\n",
+    )
+    ctl = rig.hosts["ctl"]
+    rig.start_controller(ctl)
+    for host in (h1, h2):
+        rig.start_agent(host)
+    rig.wait_for_workers(["h1", "h2"])
+
+    job_dir = tmp_path / "blocked"
+    job_dir.mkdir()
+    (job_dir / "train.py").write_text("print('never')\n")
+    (job_dir / "job.yaml").write_text(
+        "name: blocked\nentrypoint: train.py\n"
+        "distributed: {num_workers: 2, procs_per_worker: 1, backend: gloo}\n"
+    )
+    job_id = rig.muster(ctl, "submit", str(job_dir / "job.yaml")).strip()
+    job = wait_done(rig, job_id, timeout=120)
+    assert job["state"] == "failed"
+    assert "could not set up the direct path: no WireGuard handshake" in job["root_cause"]
+    assert "100.64.0." in job["root_cause"]
+    assert not [ln for ln in rig.api("logs", job_id)["lines"] if ln["origin"] == "rank"]
+    deadline = time.monotonic() + 15
+    while True:
+        try:
+            for host in (h1, h2):
+                no_device_left(rig, host)
+            break
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
