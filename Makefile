@@ -39,6 +39,7 @@ bench: setup
 	$(BIN)/python bench/launch.py
 	$(BIN)/python bench/logs.py
 	$(BIN)/python bench/control_plane.py
+	$(BIN)/python bench/net.py
 	$(BIN)/python bench/train_hetero.py
 	$(BIN)/python bench/gpu_check.py
 

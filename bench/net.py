@@ -1,0 +1,212 @@
+"""Gang networking: what the direct path costs against the raw link and wireguard-go alone.
+
+Two namespace hosts on one switch (tests/net/rig.py: veth pairs and a bridge), the same pair
+for every arm, in one run:
+
+- iperf3 (TCP, 5 s, 1 stream, median of 3) over the raw veth; over wireguard-go set up by
+  hand with its defaults (MTU 1420: the strongest plain setting), and again at MTU 1280; over
+  muster's direct-path device (muster.net.wireguard: MTU 1280, keepalive 25 s, made as the
+  agent makes it);
+- a gloo all_reduce of 4 and 64 MiB between the two hosts (1 rank each, torchrun by hand,
+  median of 5 after a warm-up), bound to the raw interface and to muster0.
+
+Goals (issue 10): muster direct >= 0.95x wireguard-go alone. (The private path is the raw
+link itself, so private >= 0.95x raw holds by construction: muster adds nothing on its path.)
+
+    sudo .venv/bin/python bench/net.py
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.net.rig import Host, Rig, missing_tools, why_unavailable
+
+ALL_REDUCE = textwrap.dedent(
+    """
+    import statistics, sys, time, torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    for mib in (4, 64):
+        t = torch.ones(mib * (1 << 20) // 4)
+        dist.all_reduce(t)  # warm-up: connections, buffers
+        times = []
+        for _ in range(5):
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_reduce(t)
+            times.append(time.perf_counter() - start)
+        if dist.get_rank() == 0:
+            print(f"allreduce {mib} {statistics.median(times):.6f}", flush=True)
+    dist.destroy_process_group()
+    """
+)
+
+
+def iperf3(rig: Rig, client: Host, server_addr: str, seconds: int = 5) -> float:
+    """Gbit/s received, one TCP stream."""
+    out = rig.run(
+        client, "iperf3", "-c", server_addr, "-t", str(seconds), "-J", timeout=seconds + 30
+    ).stdout
+    return float(json.loads(out)["end"]["sum_received"]["bits_per_second"]) / 1e9
+
+
+def gloo(
+    rig: Rig, hosts: tuple[Host, Host], master: str, ifname: str, script: Path
+) -> dict[int, float]:
+    port = 29400 + int(time.time()) % 500
+    procs = []
+    for rank, host in enumerate(hosts):
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+            "--node-rank", str(rank), "--master-addr", master, "--master-port", str(port),
+            str(script),
+        ]  # fmt: skip
+        env = {"GLOO_SOCKET_IFNAME": ifname, "OMP_NUM_THREADS": "1"}
+        procs.append(
+            subprocess.Popen(
+                host.argv(["env", *(f"{k}={v}" for k, v in env.items()), *cmd]),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    result = {}
+    for line in outs[0].splitlines():
+        if line.startswith("allreduce "):
+            _, mib, seconds = line.split()
+            result[int(mib)] = float(seconds)
+    if len(result) != 2:
+        raise RuntimeError(f"the all_reduce did not finish: {outs}")
+    return result
+
+
+def wireguard_by_hand(
+    rig: Rig, hosts: tuple[Host, Host], name: str, port: int, net: str, mtu: int | None
+) -> None:
+    """wireguard-go set up with wg as its README shows: device ``name`` on ``net``.1/.2,
+    UDP ``port``; ``mtu`` None keeps wireguard-go's default (1420)."""
+    keys = []
+    for host in hosts:
+        private = rig.run(host, "wg", "genkey").stdout.strip()
+        public = subprocess.run(
+            ["wg", "pubkey"], input=private, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        keys.append((private, public))
+    for i, host in enumerate(hosts):
+        rig.run(host, "wireguard-go", name)
+        deadline = time.monotonic() + 10
+        while rig.run(host, "test", "-S", f"/run/wireguard/{name}.sock", check=False).returncode:
+            assert time.monotonic() < deadline, "wireguard-go did not start"
+            time.sleep(0.05)
+        key_file = host.root / f"{name}.key"
+        key_file.write_text(keys[i][0] + "\n")
+        key_file.chmod(0o600)
+        other = hosts[1 - i]
+        rig.run(host, "wg", "set", name, "private-key", str(key_file), "listen-port", str(port),
+                "peer", keys[1 - i][1], "endpoint", f"{other.address}:{port}",
+                "allowed-ips", f"{net}.{2 - i}/32")  # fmt: skip
+        rig.run(host, "ip", "address", "add", f"{net}.{i + 1}/24", "dev", name)
+        if mtu is not None:
+            rig.run(host, "ip", "link", "set", name, "mtu", str(mtu))
+        rig.run(host, "ip", "link", "set", name, "up")
+
+
+def muster_direct(rig: Rig, hosts: tuple[Host, Host]) -> None:
+    """muster's device on each host, made by muster.net.wireguard as the agent makes it."""
+    code = textwrap.dedent(
+        """
+        import json, sys, time
+        from muster.net.wireguard import Device, Peer
+        d = Device()
+        d.up(sys.argv[1], 22, 51901)
+        print(json.dumps({"key": d.public_key}), flush=True)
+        peer = json.loads(sys.stdin.readline())
+        d.set_peers([Peer(peer["key"], peer["endpoint"], peer["address"])])
+        print("up", flush=True)
+        sys.stdin.readline()  # until the bench closes stdin
+        d.down()
+        """
+    )
+    procs = []
+    for i, host in enumerate(hosts):
+        procs.append(
+            subprocess.Popen(
+                host.argv([sys.executable, "-c", code, f"100.64.0.{i + 1}"]),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+        )
+    keys = [json.loads(p.stdout.readline())["key"] for p in procs]  # type: ignore[union-attr]
+    for i, proc in enumerate(procs):
+        other = hosts[1 - i]
+        peer = {
+            "key": keys[1 - i],
+            "endpoint": f"{other.address}:51901",
+            "address": f"100.64.0.{2 - i}",
+        }
+        proc.stdin.write(json.dumps(peer) + "\n")  # type: ignore[union-attr]
+        proc.stdin.flush()  # type: ignore[union-attr]
+        assert proc.stdout.readline().strip() == "up"  # type: ignore[union-attr]
+    rig.procs.extend(procs)  # type: ignore[arg-type]
+
+
+def main() -> None:
+    why = why_unavailable() or missing_tools("iperf3", "wg", "wireguard-go")
+    if why:
+        sys.exit(f"bench/net.py: {why}")
+    with Rig() as rig, tempfile.TemporaryDirectory() as tmp:
+        script = Path(tmp) / "allreduce.py"
+        script.write_text(ALL_REDUCE)
+        a, b = rig.one_region(2)
+        for host in (a, b):
+            rig.spawn(host, "iperf3", "iperf3", "-s")
+        time.sleep(0.5)
+        wireguard_by_hand(rig, (a, b), "wgbench", 51900, "10.99.0", None)
+        wireguard_by_hand(rig, (a, b), "wg1280", 51902, "10.98.0", 1280)
+        muster_direct(rig, (a, b))
+        assert rig.reaches(a, "10.99.0.2", timeout=5)
+        assert rig.reaches(a, "100.64.0.2", timeout=5)
+
+        rows = {}
+        arms = (
+            ("raw veth", b.address),
+            ("wireguard-go by hand", "10.99.0.2"),
+            ("wireguard-go, MTU 1280", "10.98.0.2"),
+            ("muster direct", "100.64.0.2"),
+        )
+        for arm, addr in arms:
+            runs = [iperf3(rig, a, addr) for _ in range(3)]
+            rows[arm] = statistics.median(runs)
+            print(f"iperf3 {arm:22} {rows[arm]:6.2f} Gbit/s (median of 3: "
+                  + ", ".join(f"{r:.2f}" for r in runs) + ")", flush=True)  # fmt: skip
+        ratio = rows["muster direct"] / rows["wireguard-go by hand"]
+        print(f"muster direct / wireguard-go alone: {ratio:.2f} (goal >= 0.95: "
+              f"{'met' if ratio >= 0.95 else 'NOT met'})")  # fmt: skip
+        same = rows["muster direct"] / rows["wireguard-go, MTU 1280"]
+        print(f"muster direct / wireguard-go alone at muster's MTU 1280: {same:.2f}")
+
+        reduce = {
+            "raw veth": gloo(rig, (a, b), a.address, "eth0", script),
+            "muster direct": gloo(rig, (a, b), "100.64.0.1", "muster0", script),
+        }
+        for arm, times in reduce.items():
+            print(f"gloo all_reduce {arm:14} 4 MiB {times[4] * 1e3:8.1f} ms   "
+                  f"64 MiB {times[64] * 1e3:8.1f} ms")  # fmt: skip
+        for mib in (4, 64):
+            times = reduce["muster direct"][mib] / reduce["raw veth"][mib]
+            print(f"all_reduce {mib} MiB: muster direct takes {times:.1f}x the raw veth")
+
+
+if __name__ == "__main__":
+    main()
