@@ -91,6 +91,13 @@ class Kind(IntEnum):
     # C->A: {job, epoch, node_rank, peers: [{public_key, endpoint, address}]}
     NET_PEERS = 52
     NET_UP = 53  # A->C: {job, epoch, node_rank}: its peers are set
+    # The probe (muster.net.probe), before the rendezvous, on every path:
+    PROBE_LISTEN = 54  # C->A: {job, epoch, node_rank, addr}: listen on addr, any port
+    PROBE_READY = 55  # A->C: {job, epoch, node_rank, port} or {..., error}
+    # C->A: {job, epoch, node_rank, seconds, peers: [{node, addr, port}]}: measure them
+    PROBE_RUN = 56
+    # A->C: {job, epoch, node_rank, pairs: [{node, connects, rtt_ms, gbps, error}]}
+    PROBE_DONE = 57
 
 
 class FrameRefused(MusterError):

@@ -409,9 +409,14 @@ class Agent:
             self._in_background(self.network.setup(body))
         elif frame.kind is Kind.NET_PEERS:
             self._in_background(self.network.set_peers(body))
+        elif frame.kind is Kind.PROBE_LISTEN:
+            await self.network.probe_listen(body)
+        elif frame.kind is Kind.PROBE_RUN:
+            self._in_background(self.network.probe_run(body))
         elif frame.kind is Kind.PREPARE_RENDEZVOUS:
             await self._prepare(body)
         elif frame.kind is Kind.ASSIGN:
+            await self.network.probe_close()  # every pair was measured before any ASSIGN
             self._start(body)
         elif frame.kind is Kind.STOP:
             # A stop takes up to the grace: never in the reader, which must go on reading.

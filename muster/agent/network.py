@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from muster.net.endpoint import public_endpoint
+from muster.net.probe import ProbeListener, probe_peers
 from muster.net.wireguard import Device, Peer, device_unavailable
 from muster.wire import Kind
 
@@ -36,6 +37,7 @@ class GangNetwork:
         self.owner: tuple[str, int] | None = None  # (job, epoch) whose device is up
         self._lock = asyncio.Lock()  # one device change at a time
         self.closed = False  # the agent is stopping: no device is made any more
+        self.listener = ProbeListener()
 
     async def setup(self, body: dict[str, Any]) -> None:
         ids = {k: body.get(k) for k in ("job", "epoch", "node_rank")}
@@ -132,6 +134,35 @@ class GangNetwork:
                 log.exception("removing the device of job %s", owner[0])
             log.info("job %s: device %s removed", owner[0], self.device.name)
             self.owner = None
+
+    # ---- the probe (every path) -------------------------------------------------------------
+
+    async def probe_listen(self, body: dict[str, Any]) -> None:
+        ids = {k: body.get(k) for k in ("job", "epoch", "node_rank")}
+        try:
+            port = await self.listener.start(str(body["addr"]))
+        except OSError as exc:
+            why = f"listening on {body['addr']}: {exc}"
+            await self.send(Kind.PROBE_READY, {**ids, "error": why})
+            return
+        await self.send(Kind.PROBE_READY, {**ids, "port": port})
+
+    async def probe_run(self, body: dict[str, Any]) -> None:
+        ids = {k: body.get(k) for k in ("job", "epoch", "node_rank")}
+        peers = [(int(p["node"]), str(p["addr"]), int(p["port"])) for p in body.get("peers") or []]
+        seconds = float(body.get("seconds") or 0)
+        # Bounded: each peer gets the connects, the echo and its sample, with room to spare.
+        timeout = len(peers) * (seconds + 30.0)
+        results = await probe_peers(peers, seconds, timeout)
+        log.info(
+            "job %s: probed %s",
+            ids["job"],
+            ", ".join(f"node{r.node}: {r.gbps} Gbit/s, {r.rtt_ms} ms" for r in results),
+        )
+        await self.send(Kind.PROBE_DONE, {**ids, "pairs": [r.as_json() for r in results]})
+
+    async def probe_close(self) -> None:
+        await self.listener.close()
 
     async def keep_only(self, jobs: set[str]) -> None:
         """A new link: drop a device that no member here uses (its gang ended, or the

@@ -110,6 +110,22 @@ def describe(
                 m["path_address"] or m["advertise_address"] or "",
             )
         out.print(table)
+    for c in job.get("conditions") or []:
+        line = f"condition {c['type']}={c['status']} ({c['reason']}): {c['message']}"
+        out.print(line, markup=False)
+    probes = [e for e in job["events"] if e["kind"] == "Probe"]
+    if probes:  # the latest epoch's probe, every pair
+        table = Table(title="probe", box=None, header_style="bold", pad_edge=False)
+        for col in ("PAIR", "GBIT/S", "RTT MS"):
+            table.add_column(col)
+        for pair in probes[-1]["data"].get("pairs", []):
+            gbps = pair.get("tcpGbps")
+            table.add_row(
+                f"node{pair['a']}-node{pair['b']}",
+                "-" if gbps is None else f"{gbps:.2f}",
+                str(pair.get("rttMs")),
+            )
+        out.print(table)
     events = Table(title="events", box=None, header_style="bold", pad_edge=False)
     for col in ("TIME", "EVENT", "MESSAGE"):
         events.add_column(col)

@@ -48,13 +48,19 @@ from muster.gang import (
     OutputsStored,
     Placed,
     PortPublished,
+    ProbeDone,
+    ProbePair,
+    ProbeReady,
     RecordEvent,
     ReleaseWorker,
     SendAssign,
     SendNetPeers,
     SendNetSetup,
     SendPrepareRendezvous,
+    SendProbeListen,
+    SendProbeRun,
     SendStop,
+    SetCondition,
     SetJobState,
     SetMemberState,
     SetRendezvous,
@@ -67,6 +73,7 @@ from muster.spec import JobSpec, JobState, MemberState, PathClass, WorkerInvento
 from muster.store import Store
 from muster.store.jobs import reason_gist
 from muster.store.writes import (
+    ConditionWrite,
     EventWrite,
     InventoryWrite,
     JobStateWrite,
@@ -85,7 +92,15 @@ T = TypeVar("T")
 # gang networking issues; until then a gang that would need them waits, saying so.
 SUPPORTED_PATHS = frozenset({PathClass.PRIVATE, PathClass.DIRECT})
 RESTART_GRACE_HEARTBEATS = 3  # after a restart, runs wait this many heartbeat timeouts
-_SENDS = (SendNetSetup, SendNetPeers, SendPrepareRendezvous, SendAssign, SendStop)
+_SENDS = (
+    SendNetSetup,
+    SendNetPeers,
+    SendProbeListen,
+    SendProbeRun,
+    SendPrepareRendezvous,
+    SendAssign,
+    SendStop,
+)
 PASS_GATHER_S = 0.01  # a pass waits this long after the first request, to take the others
 PASS_GATHER_MOST_S = 0.2
 IDLE_PASS_EVERY_S = 5.0  # with nothing asked, a pass (why-pending, gauges) this often
@@ -190,6 +205,10 @@ class Controller:
                 writes.append(EventWrite(action.kind, action.message, job, action.worker, data))
             elif isinstance(action, ReleaseWorker):
                 writes.append(ReleaseWrite(action.worker, job))
+            elif isinstance(action, SetCondition):
+                writes.append(
+                    ConditionWrite(job, action.type, action.status, action.reason, action.message)
+                )
             elif isinstance(action, SetRendezvous):
                 writes.append(RendezvousWrite(job, epoch, action.addr, action.port))
                 entry.addressing = gang_addressing(
@@ -231,6 +250,23 @@ class Controller:
                 ]
                 order = {"job": job, "epoch": epoch, "node_rank": action.node, "peers": peers}
                 await send(action.worker, Kind.NET_PEERS, order)
+            elif isinstance(action, SendProbeListen):
+                where = self._path_addresses(entry)[action.node]
+                order = {"job": job, "epoch": epoch, "node_rank": action.node, "addr": where}
+                await send(action.worker, Kind.PROBE_LISTEN, order)
+            elif isinstance(action, SendProbeRun):
+                addresses = self._path_addresses(entry)
+                order = {
+                    "job": job,
+                    "epoch": epoch,
+                    "node_rank": action.node,
+                    "seconds": action.seconds,
+                    "peers": [
+                        {"node": node, "addr": addresses[node], "port": port}
+                        for node, port in action.peers
+                    ],
+                }
+                await send(action.worker, Kind.PROBE_RUN, order)
             elif isinstance(action, SendPrepareRendezvous):
                 body = {"job": job, "epoch": epoch, "addr": action.addr, "port": action.port}
                 await send(action.worker, Kind.PREPARE_RENDEZVOUS, body)
@@ -442,6 +478,7 @@ class Controller:
                         port=spec.gang.rendezvous.port,
                         timeout=spec.timeout or None,
                         master_addr=planned.master_addr,
+                        probe_seconds=_probe_seconds(spec, entry.inventories),
                     ),
                 )
             except Exception as exc:  # one gang's trouble does not strand the others
@@ -575,7 +612,14 @@ class Controller:
         entry = self.runs.get(job)
         nothing = self.writer.submit([])
         if entry is None or body.get("epoch") != entry.gang.epoch:
-            if kind in (Kind.RENDEZVOUS_READY, Kind.MEMBER_STARTED, Kind.NET_READY, Kind.NET_UP):
+            if kind in (
+                Kind.RENDEZVOUS_READY,
+                Kind.MEMBER_STARTED,
+                Kind.NET_READY,
+                Kind.NET_UP,
+                Kind.PROBE_READY,
+                Kind.PROBE_DONE,
+            ):
                 await link.send(Kind.STOP, {"job": job, "reason": "stale"})
             elif kind is Kind.MEMBER_EXITED:
                 # The member of a run no longer tracked is gone: its worker is free.
@@ -589,6 +633,13 @@ class Controller:
             event = self._net_ready(entry, node, body)
         elif kind is Kind.NET_UP:
             event = NetUp(node)
+        elif kind is Kind.PROBE_READY:
+            error = body.get("error")
+            event = ProbeReady(
+                node, int(body.get("port") or 0), str(error)[:500] if error else None
+            )
+        elif kind is Kind.PROBE_DONE:
+            event = ProbeDone(node, tuple(_probe_pair(p) for p in body.get("pairs") or []))
         elif kind is Kind.RENDEZVOUS_READY:
             event = PortPublished(node, str(body["addr"]), int(body["port"]))
         elif kind is Kind.MEMBER_STARTED:
@@ -627,6 +678,11 @@ class Controller:
             return NetReady(node, error=f"a malformed NET_READY (key {key[:8]!r}, port {port})")
         endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         return NetReady(node, key, endpoint)
+
+    def _path_addresses(self, entry: RunEntry) -> tuple[str, ...]:
+        """Each node's address on the gang's path (what the ranks will use)."""
+        path = entry.gang.path or PathClass.PRIVATE
+        return gang_addressing(path, entry.inventories, 0, entry.mesh).addresses
 
     def _free_mesh(self) -> int:
         """The lowest mesh gang index no tracked direct run holds."""
@@ -801,3 +857,28 @@ def _address_port(addr: object, port: object) -> tuple[str, int] | None:
     except ValueError:
         return None
     return (host, number) if 0 < number < 65536 else None
+
+
+def _probe_seconds(spec: JobSpec, members: Sequence[WorkerInventory]) -> float | None:
+    """The spec's probe, for a gang that spans machines (on one host's loopback there is
+    no path to prove)."""
+    if len(members) < 2 or spec.gang.probe_seconds is None:
+        return None
+    if all(ipaddress.ip_address(m.advertise_address or "127.0.0.1").is_loopback for m in members):
+        return None
+    return spec.gang.probe_seconds
+
+
+def _probe_pair(raw: Any) -> ProbePair:
+    def number(key: str) -> float | None:
+        value = raw.get(key)
+        return float(value) if isinstance(value, int | float) else None
+
+    error = raw.get("error")
+    return ProbePair(
+        node=int(raw["node"]),
+        connects=int(raw.get("connects") or 0),
+        rtt_ms=number("rtt_ms"),
+        gbps=number("gbps"),
+        error=str(error)[:500] if error else None,
+    )

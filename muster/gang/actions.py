@@ -40,6 +40,34 @@ class SendNetPeers:
 
 
 @dataclass(frozen=True)
+class SendProbeListen:
+    """PROBE_LISTEN: open the member's probe endpoint on its path address."""
+
+    node: int
+    worker: str
+
+
+@dataclass(frozen=True)
+class SendProbeRun:
+    """PROBE_RUN: measure each (peer node, its probe port) for ``seconds`` of throughput."""
+
+    node: int
+    worker: str
+    peers: tuple[tuple[int, int], ...]
+    seconds: float
+
+
+@dataclass(frozen=True)
+class SetCondition:
+    """A Kubernetes-style condition on the job (``status`` True, False or None: Unknown)."""
+
+    type: str
+    status: bool | None
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
 class SetRendezvous:
     """Record node 0's published ``addr:port`` on the epoch (and plan the gang's addresses)."""
 
@@ -99,7 +127,10 @@ class ReleaseWorker:
 
 
 Action: TypeAlias = (
-    SendNetSetup
+    SendProbeListen
+    | SendProbeRun
+    | SetCondition
+    | SendNetSetup
     | SendNetPeers
     | SendPrepareRendezvous
     | SetRendezvous

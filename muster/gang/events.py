@@ -23,6 +23,7 @@ class Placed:
     port: int | None = None  # the spec's rendezvous port; None: node 0 picks a free one
     timeout: int | None = None  # spec.timeout in seconds; None: no limit
     master_addr: str | None = None  # the address planned for node 0, passed on in PREPARE
+    probe_seconds: float | None = None  # the probe's throughput sample; None: no probe
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,34 @@ class NetUp:
     """NET_UP: the member's device knows every peer of the gang."""
 
     node: int
+
+
+@dataclass(frozen=True)
+class ProbePair:
+    """One pair as its lower node measured it (``node`` is the peer)."""
+
+    node: int
+    connects: int
+    rtt_ms: float | None = None
+    gbps: float | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class ProbeReady:
+    """PROBE_READY: the member listens for its peers' probes on ``port`` (or ``error``)."""
+
+    node: int
+    port: int = 0
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class ProbeDone:
+    """PROBE_DONE: what the member measured to each peer after it."""
+
+    node: int
+    pairs: tuple[ProbePair, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -141,6 +170,8 @@ Event: TypeAlias = (
     Placed
     | NetReady
     | NetUp
+    | ProbeReady
+    | ProbeDone
     | PortPublished
     | MemberStarted
     | MemberExited

@@ -39,7 +39,10 @@ from muster.gang.actions import (
     SendNetPeers,
     SendNetSetup,
     SendPrepareRendezvous,
+    SendProbeListen,
+    SendProbeRun,
     SendStop,
+    SetCondition,
     SetJobState,
     SetMemberState,
     SetRendezvous,
@@ -58,6 +61,9 @@ from muster.gang.events import (
     OutputsStored,
     Placed,
     PortPublished,
+    ProbeDone,
+    ProbePair,
+    ProbeReady,
     Tick,
 )
 from muster.gang.run import GangPhase, GangRun, Member
@@ -80,6 +86,10 @@ def step(run: GangRun, event: Event, now: float) -> tuple[GangRun, tuple[Action,
         _net_ready(turn, event)
     elif isinstance(event, NetUp):
         _net_up(turn, event)
+    elif isinstance(event, ProbeReady):
+        _probe_ready(turn, event)
+    elif isinstance(event, ProbeDone):
+        _probe_done(turn, event)
     elif isinstance(event, PortPublished):
         _port_published(turn, event)
     elif isinstance(event, MemberStarted):
@@ -163,6 +173,7 @@ def _placed(turn: _Turn, event: Placed) -> None:
         timeout=event.timeout,
         deadline=turn.now + event.timeout if event.timeout else None,
         rendezvous_deadline=turn.now + RENDEZVOUS_TIMEOUT_S,
+        probe_seconds=event.probe_seconds if len(event.workers) > 1 else None,
     )
     if event.path is PathClass.DIRECT and len(event.workers) > 1:
         # The gang's own network first: every member makes a key and a device; the keys
@@ -176,6 +187,108 @@ def _placed(turn: _Turn, event: Placed) -> None:
             turn.emit(SendNetSetup(member.node, member.worker))
             turn.update(member.node, networked=True)
         return
+    _start_probe_or_rendezvous(turn)
+
+
+def _start_probe_or_rendezvous(turn: _Turn) -> None:
+    """Probe every pair first when this run probes; else straight to the rendezvous."""
+    run = turn.run
+    if run.probe_seconds is None:
+        _start_rendezvous(turn)
+        return
+    path = run.path.value if run.path else "private"
+    turn.run = replace(run, rendezvous_deadline=turn.now + RENDEZVOUS_TIMEOUT_S)
+    if run.job_state is not JobState.NETWORKING:
+        turn.set_job(
+            JobState.NETWORKING,
+            f"epoch {run.epoch}: probing the {path} path between {len(run.members)} members",
+        )
+    for member in turn.run.members:
+        turn.emit(SendProbeListen(member.node, member.worker))
+
+
+def _probe_ready(turn: _Turn, event: ProbeReady) -> None:
+    member = turn.member(event.node)
+    run = turn.run
+    if (
+        member is None
+        or run.job_state is not JobState.NETWORKING
+        or run.probe_seconds is None
+        or member.probe_port is not None
+    ):
+        return
+    if event.error is not None or not 0 < event.port < 65536:
+        why = event.error or f"port {event.port}"
+        cause = f"node{member.node} (worker {member.worker}) could not open its probe endpoint"
+        _fail(turn, JobState.FAILED, f"{cause}: {why}")
+        return
+    turn.update(member.node, probe_port=event.port)
+    members = turn.run.members
+    if any(m.probe_port is None for m in members):
+        return
+    for m in members:
+        later = tuple((p.node, p.probe_port or 0) for p in members if p.node > m.node)
+        if later:
+            turn.emit(SendProbeRun(m.node, m.worker, later, run.probe_seconds))
+        else:
+            turn.update(m.node, probed=())
+
+
+def _probe_done(turn: _Turn, event: ProbeDone) -> None:
+    member = turn.member(event.node)
+    run = turn.run
+    if (
+        member is None
+        or run.job_state is not JobState.NETWORKING
+        or member.probe_port is None
+        or member.probed is not None
+    ):
+        return
+    turn.update(member.node, probed=event.pairs)
+    for pair in event.pairs:
+        if pair.error is not None or pair.connects < 3:
+            peer = turn.run.members[pair.node] if 0 <= pair.node < len(run.members) else None
+            who = f"node{member.node} (worker {member.worker}) to node{pair.node}" + (
+                f" (worker {peer.worker})" if peer else ""
+            )
+            _fail(turn, JobState.FAILED, f"the probe failed from {who}: {pair.error}")
+            return
+    if any(m.probed is None for m in turn.run.members):
+        return
+    pairs = [
+        (m.node, p) for m in turn.run.members for p in (m.probed or ()) if isinstance(p, ProbePair)
+    ]
+    path = run.path.value if run.path else "private"
+    rated = [(p.gbps, a, p) for a, p in pairs if p.gbps is not None]
+    if rated:
+        _gbps, a, slowest = min(rated, key=lambda item: item[0])
+    else:
+        a, slowest = max(pairs, key=lambda item: item[1].rtt_ms or 0.0)
+    summary = (
+        f"slowest pair node{a}-node{slowest.node}: "
+        + (f"{slowest.gbps:.2f} Gbit/s, " if slowest.gbps is not None else "")
+        + f"RTT {slowest.rtt_ms} ms on the {path} path ({len(pairs)} pairs)"
+    )
+    turn.emit(
+        SetCondition("NetworkQualified", True, "ProbePassed", summary),
+        RecordEvent(
+            "Probe",
+            summary,
+            {
+                "path": path,
+                "seconds": run.probe_seconds,
+                "slowest": {
+                    "a": a,
+                    "b": slowest.node,
+                    "tcpGbps": slowest.gbps,
+                    "rttMs": slowest.rtt_ms,
+                },
+                "pairs": [
+                    {"a": a, "b": p.node, "tcpGbps": p.gbps, "rttMs": p.rtt_ms} for a, p in pairs
+                ],
+            },
+        ),
+    )
     _start_rendezvous(turn)
 
 
@@ -228,7 +341,7 @@ def _net_up(turn: _Turn, event: NetUp) -> None:
                 {"epoch": run.epoch, "path": PathClass.DIRECT.value},
             )
         )
-        _start_rendezvous(turn)
+        _start_probe_or_rendezvous(turn)
 
 
 def _port_published(turn: _Turn, event: PortPublished) -> None:
@@ -449,7 +562,22 @@ def _tick(turn: _Turn) -> None:
         and not any(m.unconfirmed for m in turn.run.members)
     ):
         node0 = turn.run.members[0]
-        if turn.run.job_state is JobState.NETWORKING:
+        probing = turn.run.probe_seconds is not None and all(
+            m.net_up or not m.networked for m in turn.run.members
+        )
+        if turn.run.job_state is JobState.NETWORKING and probing:
+            slow = [m for m in turn.run.members if m.probed is None]
+            _fail(
+                turn,
+                JobState.FAILED,
+                f"the probe did not finish within {RENDEZVOUS_TIMEOUT_S:.0f}s: "
+                + ", ".join(
+                    f"node{m.node} (worker {m.worker}) "
+                    + ("did not open its endpoint" if m.probe_port is None else "did not report")
+                    for m in slow
+                ),
+            )
+        elif turn.run.job_state is JobState.NETWORKING:
             late = [m for m in turn.run.members if not m.net_up]
             _fail(
                 turn,

@@ -74,6 +74,8 @@ class Member:
     networked: bool = False  # NET_SETUP was sent: a device of this run may exist on its worker
     net_key: tuple[str, str] | None = None  # (public key, endpoint) from its NET_READY
     net_up: bool = False  # NET_UP: its device knows every peer
+    probe_port: int | None = None  # PROBE_READY: where it listens for its peers' probes
+    probed: tuple[object, ...] | None = None  # PROBE_DONE's pairs (ProbePair)
 
     @property
     def may_be_alive(self) -> bool:
@@ -110,6 +112,7 @@ class GangRun:
     deadline: float | None = None  # job timeout, on step's clock
     grace_deadline: float | None = None  # set by ControllerRestarted
     rendezvous_deadline: float | None = None  # node 0 must publish its port by then
+    probe_seconds: float | None = None  # None: this run does not probe
 
     @classmethod
     def placed(

@@ -85,6 +85,13 @@ class Distributed(_Model):
     network: NetworkClass = "regional"
     transport: Transport = "direct"
     membership: Membership = "pool"
+    probe_seconds: float | None = Field(
+        default=2.0,
+        ge=0,
+        le=60,
+        description="the probe's throughput sample per pair before the command starts "
+        "(0: readiness and RTT only; null: no probe)",
+    )
 
     @property
     def world_size(self) -> int:

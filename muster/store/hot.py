@@ -26,13 +26,14 @@ from muster.spec.states import (
     check_member_transition,
 )
 from muster.store.base import utcnow
-from muster.store.models import Event, GangEpoch, Job, Member, Worker
+from muster.store.models import Condition, Event, GangEpoch, Job, Member, Worker
 
 JOBS = cast(Table, Job.__table__)
 WORKERS = cast(Table, Worker.__table__)
 EPOCHS = cast(Table, GangEpoch.__table__)
 MEMBERS = cast(Table, Member.__table__)
 EVENTS = cast(Table, Event.__table__)
+CONDITIONS = cast(Table, Condition.__table__)
 
 MEMBERS_PER_READ = 500  # job ids per IN (...) when reading the members a batch touches
 
@@ -370,3 +371,38 @@ def worker_rows(conn: Connection) -> list[tuple[str, str, dict[str, Any]]]:
 def set_why_pending(conn: Connection, reasons: dict[str, str | None]) -> None:
     if reasons:
         conn.execute(_SET_WHY_PENDING, [{"_job": j, "why": r} for j, r in reasons.items()])
+
+
+_CONDITION_NOW = select(CONDITIONS.c.status).where(
+    CONDITIONS.c.job_id == bindparam("job"), CONDITIONS.c.type == bindparam("type")
+)
+_SET_CONDITION = update(CONDITIONS).where(
+    CONDITIONS.c.job_id == bindparam("_job"), CONDITIONS.c.type == bindparam("_type")
+)
+
+
+def set_condition(
+    conn: Connection, job_id: str, type_: str, status: bool | None, reason: str, message: str
+) -> None:
+    """Upsert a Kubernetes-style condition; its transition time moves when its status does."""
+    text = "Unknown" if status is None else str(status)
+    now = utcnow()
+    current = conn.execute(_CONDITION_NOW, {"job": job_id, "type": type_}).scalar()
+    if current is None:
+        conn.execute(
+            insert(CONDITIONS),
+            {
+                "job_id": job_id,
+                "type": type_,
+                "status": text,
+                "reason": reason,
+                "message": message,
+                "last_transition": now,
+            },
+        )
+        return
+    values: dict[str, Any] = {"_job": job_id, "_type": type_, "status": text, "reason": reason}
+    values["message"] = message
+    if current != text:
+        values["last_transition"] = now
+    conn.execute(_SET_CONDITION, values)

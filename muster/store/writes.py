@@ -79,6 +79,15 @@ class InventoryWrite:
     draining: bool = False
 
 
+@dataclass(frozen=True)
+class ConditionWrite:
+    job: str
+    type: str
+    status: bool | None
+    reason: str
+    message: str
+
+
 Write: TypeAlias = (
     JobStateWrite
     | MemberStateWrite
@@ -87,6 +96,7 @@ Write: TypeAlias = (
     | RendezvousWrite
     | WorkerStateWrite
     | InventoryWrite
+    | ConditionWrite
 )
 
 
@@ -139,6 +149,8 @@ def _apply(
         hot.release(conn, write.worker, write.job)
     elif isinstance(write, RendezvousWrite):
         hot.rendezvous(conn, write.job, write.epoch, write.addr, write.port)
+    elif isinstance(write, ConditionWrite):
+        hot.set_condition(conn, write.job, write.type, write.status, write.reason, write.message)
     elif isinstance(write, InventoryWrite):
         hot.upsert_worker(conn, write.inventory, write.held_by, write.draining, events)
     else:

@@ -67,7 +67,14 @@ def test_a_gloo_job_runs_over_the_direct_path_between_two_regions(rig: Rig, tmp_
     assert job["state"] == "succeeded", (job["root_cause"], job["events"])
     assert job["path_class"] == "direct"
     kinds = [e["kind"] for e in job["events"]]
-    assert kinds.index("NetworkReady") < kinds.index("RendezvousPublished")
+    assert kinds.index("NetworkReady") < kinds.index("Probe") < kinds.index("RendezvousPublished")
+    probe = next(e for e in job["events"] if e["kind"] == "Probe")
+    assert probe["data"]["path"] == "direct"
+    assert probe["data"]["slowest"]["tcpGbps"] > 0.01, probe  # wireguard-go: ~0.5 Gbit/s here
+    assert probe["data"]["slowest"]["rttMs"] > 0
+    conditions = {c["type"]: c for c in job["conditions"]}
+    assert conditions["NetworkQualified"]["status"] == "True"
+    assert conditions["NetworkQualified"]["reason"] == "ProbePassed"
 
     lines = rig.api("logs", job_id)["lines"]
     envs = {ln["rank"]: ln["text"] for ln in lines if ln["text"].startswith("env ")}

@@ -122,6 +122,14 @@ def test_real_agents_on_rig_hosts_run_a_two_node_job(rig: Rig) -> None:
     assert job["state"] == "succeeded", job["root_cause"]
     members = {m["node_rank"]: m for m in job["members"]}
     assert {members[0]["worker"], members[1]["worker"]} == {"h1", "h2"}
+    # The probe proved the private path before the command started.
+    probe = next(e for e in job["events"] if e["kind"] == "Probe")
+    assert probe["data"]["path"] == "private"
+    assert [(p["a"], p["b"]) for p in probe["data"]["pairs"]] == [(0, 1)]
+    assert probe["data"]["slowest"]["tcpGbps"] > 0.1  # a veth: many Gbit/s
+    described = rig.muster(ctl, "describe", job_id)
+    assert "condition NetworkQualified=True (ProbePassed)" in described, described
+    assert "node0-node1" in described, described
     # Node 0's rendezvous address is its host's address on the rig, not loopback.
     node0 = rig.hosts[members[0]["worker"]]
     published = [e for e in job["events"] if e["kind"] == "RendezvousPublished"]
@@ -131,3 +139,33 @@ def test_real_agents_on_rig_hosts_run_a_two_node_job(rig: Rig) -> None:
     for rank in range(4):
         mine = [ln["text"] for ln in lines if ln["origin"] == "rank" and ln["rank"] == rank]
         assert "all_reduce sum=10 expected=10 ok" in mine, f"rank {rank}: {mine[:5]}"
+
+
+def test_a_private_path_the_probe_cannot_cross_fails_before_the_command(rig: Rig) -> None:
+    """h2 drops every TCP connection from h1: the probe finds it, names the pair, and no
+    rank ever starts."""
+    needs("nft")
+    h1, h2 = rig.one_region(2)
+    rig.nft(
+        h2,
+        "table ip rig_block {\n"
+        f"  chain input {{ type filter hook input priority -10; ip saddr {h1.address} "
+        "meta l4proto tcp drop; }\n"
+        "}\n",
+    )
+    ctl = rig.hosts["ctl"]
+    rig.start_controller(ctl)
+    for host in (h1, h2):
+        rig.start_agent(host)
+    rig.wait_for_workers(["h1", "h2"])
+    job_id = rig.muster(ctl, "submit", str(ROOT / "examples/ddp/job.yaml")).strip()
+    deadline = time.monotonic() + 120
+    job = rig.api("job", job_id)
+    while job["state"] not in ("succeeded", "failed", "cancelled"):
+        assert time.monotonic() < deadline, job["events"]
+        time.sleep(0.5)
+        job = rig.api("job", job_id)
+    assert job["state"] == "failed"
+    assert "the probe failed from node" in job["root_cause"], job["root_cause"]
+    assert "0 of 3 connections" in job["root_cause"], job["root_cause"]
+    assert not [ln for ln in rig.api("logs", job_id)["lines"] if ln["origin"] == "rank"]

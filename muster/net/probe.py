@@ -1,0 +1,178 @@
+"""The probe: before the command starts, every pair of a gang proves the path it will use.
+
+Each member listens on an ephemeral TCP port on its path address (the private address, or the
+mesh address on the direct path). Then each member measures every peer after it in node order,
+one peer at a time: readiness (three fresh TCP connections), round-trip time (an echo over one
+connection), and a throughput sample (one stream for ``seconds``, counted by the receiver). A
+pair that cannot connect fails the probe, naming the pair.
+
+Wire protocol on a probe connection: the first byte says what it is for. ``c``: a readiness
+connect (closed at once); ``e``: echo, one byte back for each byte; ``t``: throughput, the
+receiver counts bytes until EOF and answers the count as 8 bytes big-endian.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+CONNECT_TIMEOUT_S = 5.0
+READINESS_CONNECTIONS = 3
+ECHO_ROUNDS = 10
+CHUNK = 256 * 1024
+LISTEN_FOR_S = 300.0  # a listener nobody closes goes away after this
+
+
+@dataclass(frozen=True)
+class PairResult:
+    node: int  # the peer
+    connects: int  # readiness connections that succeeded, of READINESS_CONNECTIONS
+    rtt_ms: float | None = None
+    gbps: float | None = None
+    error: str | None = None
+
+    def as_json(self) -> dict[str, object]:
+        return asdict(self)
+
+
+class ProbeListener:
+    """One member's probe endpoint, on its path address."""
+
+    def __init__(self) -> None:
+        self.server: asyncio.Server | None = None
+        self.port = 0
+        self._closer: asyncio.TimerHandle | None = None
+
+    async def start(self, address: str) -> int:
+        await self.close()
+        self.server = await asyncio.start_server(self._serve, address, 0)
+        self.port = int(self.server.sockets[0].getsockname()[1])
+        self._closer = asyncio.get_running_loop().call_later(
+            LISTEN_FOR_S, lambda: asyncio.ensure_future(self.close())
+        )
+        return self.port
+
+    async def close(self) -> None:
+        if self._closer is not None:
+            self._closer.cancel()
+            self._closer = None
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            kind = await asyncio.wait_for(reader.read(1), CONNECT_TIMEOUT_S)
+            if kind == b"e":
+                while data := await reader.read(1):
+                    writer.write(data)
+                    await writer.drain()
+            elif kind == b"t":
+                count = 0
+                while data := await reader.read(CHUNK):
+                    count += len(data)
+                writer.write(count.to_bytes(8, "big"))
+                await writer.drain()
+        except (OSError, TimeoutError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
+
+async def _connect(address: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    return await asyncio.wait_for(asyncio.open_connection(address, port), CONNECT_TIMEOUT_S)
+
+
+async def measure(node: int, address: str, port: int, seconds: float) -> PairResult:
+    """Readiness, RTT and (``seconds`` > 0) throughput to one peer."""
+    connects = 0
+    times = []
+    last_error = ""
+    for _ in range(READINESS_CONNECTIONS):
+        start = time.perf_counter()
+        try:
+            _reader, writer = await _connect(address, port)
+        except (OSError, TimeoutError) as exc:
+            last_error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            continue
+        times.append(time.perf_counter() - start)
+        connects += 1
+        writer.write(b"c")
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+    if connects < READINESS_CONNECTIONS:
+        return PairResult(
+            node,
+            connects,
+            error=f"{connects} of {READINESS_CONNECTIONS} connections to {address}:{port} "
+            f"({last_error})",
+        )
+    try:
+        rtt = await _echo(address, port)
+        gbps = await _throughput(address, port, seconds) if seconds > 0 else None
+    except (OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
+        return PairResult(node, connects, error=f"measuring {address}:{port}: {exc!r}")
+    return PairResult(node, connects, rtt_ms=round(rtt * 1e3, 3), gbps=gbps)
+
+
+async def _echo(address: str, port: int) -> float:
+    reader, writer = await _connect(address, port)
+    try:
+        writer.write(b"e")
+        rounds = []
+        for _ in range(ECHO_ROUNDS):
+            start = time.perf_counter()
+            writer.write(b"x")
+            await writer.drain()
+            await asyncio.wait_for(reader.readexactly(1), CONNECT_TIMEOUT_S)
+            rounds.append(time.perf_counter() - start)
+        return statistics.median(rounds)
+    finally:
+        writer.close()
+
+
+async def _throughput(address: str, port: int, seconds: float) -> float:
+    reader, writer = await _connect(address, port)
+    try:
+        writer.write(b"t")
+        block = bytes(CHUNK)
+        start = time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            writer.write(block)
+            await asyncio.wait_for(writer.drain(), CONNECT_TIMEOUT_S + seconds)
+        writer.write_eof()
+        count = int.from_bytes(
+            await asyncio.wait_for(reader.readexactly(8), CONNECT_TIMEOUT_S + seconds), "big"
+        )
+        elapsed = time.perf_counter() - start
+        return round(count * 8 / elapsed / 1e9, 4)
+    finally:
+        writer.close()
+
+
+async def probe_peers(
+    peers: list[tuple[int, str, int]], seconds: float, timeout: float
+) -> list[PairResult]:
+    """Measure each (node, address, port) in turn, within ``timeout`` in all."""
+    results: list[PairResult] = []
+
+    async def run() -> None:
+        for node, address, port in peers:
+            results.append(await measure(node, address, port, seconds))
+
+    try:
+        await asyncio.wait_for(run(), timeout)
+    except TimeoutError:
+        done = {r.node for r in results}
+        results.extend(
+            PairResult(node, 0, error=f"the probe did not finish within {timeout:.0f}s")
+            for node, _a, _p in peers
+            if node not in done
+        )
+    return results

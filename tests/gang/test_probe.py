@@ -1,0 +1,91 @@
+"""The probe in the gang lifecycle: every pair measured once, the slowest pair reported, and
+the rendezvous only after it; a pair that cannot connect fails the epoch naming it."""
+
+from __future__ import annotations
+
+from muster.gang import (
+    GangRun,
+    Placed,
+    ProbeDone,
+    ProbePair,
+    ProbeReady,
+    RecordEvent,
+    SendPrepareRendezvous,
+    SendProbeListen,
+    SendProbeRun,
+    SendStop,
+    SetCondition,
+    SetJobState,
+    step,
+)
+from muster.spec import JobState, PathClass
+
+J = JobState
+W = ("w0", "w1", "w2")
+PLACED = Placed("job1", 1, W, PathClass.PRIVATE, master_addr="10.0.0.1", probe_seconds=1.0)
+
+
+def listening() -> GangRun:
+    run, actions = step(GangRun(), PLACED, 0)
+    assert actions == (
+        SetJobState(J.NETWORKING, "epoch 1: probing the private path between 3 members"),
+        *(SendProbeListen(n, W[n]) for n in range(3)),
+    )
+    run, _ = step(run, ProbeReady(0, 40000), 1)
+    run, _ = step(run, ProbeReady(2, 40002), 1)
+    run, actions = step(run, ProbeReady(1, 40001), 1)
+    assert actions == (
+        SendProbeRun(0, "w0", ((1, 40001), (2, 40002)), 1.0),
+        SendProbeRun(1, "w1", ((2, 40002),), 1.0),
+    )
+    return run
+
+
+def test_each_pair_is_measured_once_and_the_slowest_is_reported_before_the_rendezvous() -> None:
+    run = listening()
+    run, actions = step(run, ProbeDone(1, (ProbePair(2, 3, rtt_ms=0.2, gbps=9.5),)), 2)
+    assert actions == ()
+    pairs = (ProbePair(1, 3, rtt_ms=0.1, gbps=12.0), ProbePair(2, 3, rtt_ms=0.3, gbps=4.25))
+    run, actions = step(run, ProbeDone(0, pairs), 3)
+    summary = "slowest pair node0-node2: 4.25 Gbit/s, RTT 0.3 ms on the private path (3 pairs)"
+    assert actions[0] == SetCondition("NetworkQualified", True, "ProbePassed", summary)
+    event = actions[1]
+    assert isinstance(event, RecordEvent)
+    assert event.kind == "Probe"
+    assert event.data["slowest"] == {"a": 0, "b": 2, "tcpGbps": 4.25, "rttMs": 0.3}
+    assert len(event.data["pairs"]) == 3  # type: ignore[arg-type]
+    assert actions[2:] == (
+        SetJobState(J.RENDEZVOUS, "epoch 1: waiting for node0 to publish its address"),
+        SendPrepareRendezvous("w0", "10.0.0.1", None),
+    )
+    assert run.job_state is J.RENDEZVOUS
+
+
+def test_a_pair_that_cannot_connect_fails_the_epoch_naming_both_ends() -> None:
+    run = listening()
+    bad = ProbePair(2, 1, error="1 of 3 connections to 10.0.0.3:40002 (TimeoutError)")
+    run, actions = step(run, ProbeDone(1, (bad,)), 2)
+    first = actions[0]
+    assert isinstance(first, SetJobState)
+    assert first.state is J.FAILED
+    assert first.reason == (
+        "the probe failed from node1 (worker w1) to node2 (worker w2): "
+        "1 of 3 connections to 10.0.0.3:40002 (TimeoutError)"
+    )
+    assert not any(isinstance(a, SendStop) for a in actions)  # nothing was started
+    assert run.settled
+
+
+def test_a_member_that_cannot_listen_fails_the_epoch() -> None:
+    run, _ = step(GangRun(), PLACED, 0)
+    run, actions = step(run, ProbeReady(1, error="listening on 10.0.0.2: address not here"), 1)
+    assert actions[0] == SetJobState(
+        J.FAILED,
+        "node1 (worker w1) could not open its probe endpoint: "
+        "listening on 10.0.0.2: address not here",
+    )
+
+
+def test_without_a_probe_the_rendezvous_starts_at_once() -> None:
+    _, actions = step(GangRun(), Placed("job1", 1, W, PathClass.PRIVATE), 0)
+    assert isinstance(actions[-1], SendPrepareRendezvous)
