@@ -10,7 +10,11 @@ for every arm, in one run:
 - a gloo all_reduce of 4 and 64 MiB between the two hosts (1 rank each, torchrun by hand,
   median of 5 after a warm-up), bound to the raw interface and to muster0.
 
-Goals (issue 10): muster direct >= 0.95x wireguard-go alone. (The private path is the raw
+- muster's probe (muster.net.probe, the spec's default 2 s sample) over the raw veth and over
+  muster direct, against iperf3 on the same path; and a 4-member gang's whole probe, timed.
+
+Goals (issue 10): muster direct >= 0.95x wireguard-go alone; the probe within +-15% of iperf3;
+a 4-member gang's probe done in <= 15 s. (The private path is the raw
 link itself, so private >= 0.95x raw holds by construction: muster adds nothing on its path.)
 
     sudo .venv/bin/python bench/net.py
@@ -30,6 +34,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.net.rig import Host, Rig, missing_tools, why_unavailable
+
+PROBE_SECONDS = 2.0  # the spec's default probe_seconds
 
 ALL_REDUCE = textwrap.dedent(
     """
@@ -161,6 +167,81 @@ def muster_direct(rig: Rig, hosts: tuple[Host, Host]) -> None:
     rig.procs.extend(procs)  # type: ignore[arg-type]
 
 
+PROBE = textwrap.dedent(
+    """
+    import asyncio, json, sys
+    from muster.net.probe import ProbeListener, probe_peers
+
+    async def main():
+        if sys.argv[1] == "listen":
+            listener = ProbeListener()
+            port = await listener.start(sys.argv[2])
+            print(port, flush=True)
+            await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+            await listener.close()
+        else:
+            peers = json.loads(sys.argv[2])
+            results = await probe_peers([tuple(p) for p in peers], float(sys.argv[3]), 120)
+            print(json.dumps([r.as_json() for r in results]), flush=True)
+
+    asyncio.run(main())
+    """
+)
+
+
+def probe_listen(rig: Rig, host: Host, address: str) -> tuple[subprocess.Popen[str], int]:
+    proc = subprocess.Popen(
+        host.argv([sys.executable, "-c", PROBE, "listen", address]),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    port = int(proc.stdout.readline())  # type: ignore[union-attr]
+    return proc, port
+
+
+def probe_gbps(rig: Rig, a: Host, b: Host, address: str, seconds: float) -> float:
+    """muster's probe from ``a`` to ``b`` at ``address``: its throughput sample."""
+    listener, port = probe_listen(rig, b, address)
+    try:
+        out = rig.run(
+            a, sys.executable, "-c", PROBE, "run", json.dumps([[1, address, port]]), str(seconds),
+            timeout=120,
+        ).stdout  # fmt: skip
+    finally:
+        listener.communicate("\n", timeout=10)
+    result = json.loads(out)[0]
+    if result["error"]:
+        raise RuntimeError(result["error"])
+    return float(result["gbps"])
+
+
+def probe_gang_seconds(rig: Rig, hosts: list[Host], seconds: float) -> float:
+    """A whole gang's probe as the controller runs it: every member listens, then each
+    measures every later peer, all members at once. Wall seconds until the last is done."""
+    listeners = [probe_listen(rig, h, h.address) for h in hosts]
+    try:
+        start = time.perf_counter()
+        runs = []
+        for i, host in enumerate(hosts[:-1]):
+            later = [[j, hosts[j].address, listeners[j][1]] for j in range(i + 1, len(hosts))]
+            runs.append(
+                subprocess.Popen(
+                    host.argv(
+                        [sys.executable, "-c", PROBE, "run", json.dumps(later), str(seconds)]
+                    ),
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+            )
+        for run in runs:
+            run.communicate(timeout=300)
+        return time.perf_counter() - start
+    finally:
+        for proc, _port in listeners:
+            proc.communicate("\n", timeout=10)
+
+
 def main() -> None:
     why = why_unavailable() or missing_tools("iperf3", "wg", "wireguard-go")
     if why:
@@ -196,6 +277,13 @@ def main() -> None:
         same = rows["muster direct"] / rows["wireguard-go, MTU 1280"]
         print(f"muster direct / wireguard-go alone at muster's MTU 1280: {same:.2f}")
 
+        for arm, addr, key in (("raw veth", b.address, "raw veth"),
+                               ("muster direct", "100.64.0.2", "muster direct")):  # fmt: skip
+            sample = probe_gbps(rig, a, b, addr, PROBE_SECONDS)
+            ratio = sample / rows[key]
+            print(f"probe ({PROBE_SECONDS:.0f} s sample) over {arm:14} {sample:6.2f} Gbit/s = "
+                  f"{ratio:.2f}x iperf3 on the same path (goal 0.85-1.15)")  # fmt: skip
+
         reduce = {
             "raw veth": gloo(rig, (a, b), a.address, "eth0", script),
             "muster direct": gloo(rig, (a, b), "100.64.0.1", "muster0", script),
@@ -206,6 +294,12 @@ def main() -> None:
         for mib in (4, 64):
             times = reduce["muster direct"][mib] / reduce["raw veth"][mib]
             print(f"all_reduce {mib} MiB: muster direct takes {times:.1f}x the raw veth")
+
+    with Rig() as rig:
+        hosts = rig.one_region(4)
+        took = probe_gang_seconds(rig, hosts, PROBE_SECONDS)
+        print(f"probe of a 4-member gang ({PROBE_SECONDS:.0f} s samples, 6 pairs): {took:.1f} s "
+              f"(goal <= 15 s)")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -508,7 +508,9 @@ class Agent:
         if member is not None:
             await member.stop(reason)
             return
-        await self.network.down(job)  # a gang that ended before its member was assigned
+        # A gang that ended before its member was assigned: its device and probe endpoint.
+        await self.network.down(job)
+        await self.network.probe_close(job)
         if order is not None and order.get("node_rank") is not None:
             # Nothing of that member runs here (never assigned, or already over): say so,
             # so the controller can give this worker back to the pool.

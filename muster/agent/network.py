@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from muster.net.endpoint import public_endpoint
-from muster.net.probe import ProbeListener, probe_peers
+from muster.net.probe import LISTEN_FOR_S, ProbeListener, probe_peers
 from muster.net.wireguard import Device, Peer, device_unavailable
 from muster.wire import Kind
 
@@ -38,6 +38,7 @@ class GangNetwork:
         self._lock = asyncio.Lock()  # one device change at a time
         self.closed = False  # the agent is stopping: no device is made any more
         self.listener = ProbeListener()
+        self.probe_job: str | None = None  # whose probe endpoint is open
 
     async def setup(self, body: dict[str, Any]) -> None:
         ids = {k: body.get(k) for k in ("job", "epoch", "node_rank")}
@@ -91,14 +92,14 @@ class GangNetwork:
             Peer(str(p["public_key"]), str(p["endpoint"]), str(p["address"]))
             for p in body.get("peers") or []
         ]
-        async with self._lock:
-            try:
+        try:
+            async with self._lock:  # (not held while waiting: a STOP may take the device down)
                 await asyncio.to_thread(self.device.set_peers, peers)
-                silent = await self._await_handshakes(peers)
-            except Exception as exc:
-                log.warning("job %s: setting the peers failed: %s", ids["job"], exc)
-                await self.send(Kind.NET_READY, {**ids, "error": f"setting the peers: {exc}"})
-                return
+            silent = await self._await_handshakes(peers)
+        except Exception as exc:
+            log.warning("job %s: setting the peers failed: %s", ids["job"], exc)
+            await self.send(Kind.NET_READY, {**ids, "error": f"setting the peers: {exc}"})
+            return
         if silent:
             why = "no WireGuard handshake within {:.0f}s with {}".format(
                 HANDSHAKE_TIMEOUT_S,
@@ -113,6 +114,8 @@ class GangNetwork:
         """The peers with no handshake yet once HANDSHAKE_TIMEOUT_S is over (or none)."""
         deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
         while True:
+            if self.owner is None:  # taken down meanwhile (a STOP, the agent stopping)
+                raise RuntimeError("the device was removed")
             done = await asyncio.to_thread(self.device.handshakes)
             silent = [p for p in peers if not done.get(p.public_key)]
             if not silent or time.monotonic() > deadline:
@@ -140,7 +143,9 @@ class GangNetwork:
     async def probe_listen(self, body: dict[str, Any]) -> None:
         ids = {k: body.get(k) for k in ("job", "epoch", "node_rank")}
         try:
-            port = await self.listener.start(str(body["addr"]))
+            lifetime = float(body.get("for") or LISTEN_FOR_S)
+            port = await self.listener.start(str(body["addr"]), lifetime)
+            self.probe_job = str(body.get("job"))
         except OSError as exc:
             why = f"listening on {body['addr']}: {exc}"
             await self.send(Kind.PROBE_READY, {**ids, "error": why})
@@ -161,8 +166,11 @@ class GangNetwork:
         )
         await self.send(Kind.PROBE_DONE, {**ids, "pairs": [r.as_json() for r in results]})
 
-    async def probe_close(self) -> None:
-        await self.listener.close()
+    async def probe_close(self, job: str | None = None) -> None:
+        """Close the probe endpoint (of ``job`` only, when given)."""
+        if job is None or job == self.probe_job:
+            await self.listener.close()
+            self.probe_job = None
 
     async def keep_only(self, jobs: set[str]) -> None:
         """A new link: drop a device that no member here uses (its gang ended, or the

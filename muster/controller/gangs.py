@@ -67,6 +67,7 @@ from muster.gang import (
     Tick,
     step,
 )
+from muster.gang.lifecycle import probe_budget
 from muster.plan import MESH_GANGS, MESH_MAX_NODES, MESH_PREFIX, gang_addressing, mesh_address
 from muster.scheduler import Placement, PoolIndex, QueuedJob, schedule
 from muster.spec import JobSpec, JobState, MemberState, PathClass, WorkerInventory, WorkerState
@@ -252,7 +253,13 @@ class Controller:
                 await send(action.worker, Kind.NET_PEERS, order)
             elif isinstance(action, SendProbeListen):
                 where = self._path_addresses(entry)[action.node]
-                order = {"job": job, "epoch": epoch, "node_rank": action.node, "addr": where}
+                order = {
+                    "job": job,
+                    "epoch": epoch,
+                    "node_rank": action.node,
+                    "addr": where,
+                    "for": probe_budget(run),  # the listener's lifetime
+                }
                 await send(action.worker, Kind.PROBE_LISTEN, order)
             elif isinstance(action, SendProbeRun):
                 addresses = self._path_addresses(entry)
@@ -574,14 +581,14 @@ class Controller:
                 return
             try:
                 if item.kind is Kind.INVENTORY:
-                    async with self.lock:
-                        recorded = await self._inventory(link, item.body)
-                    if recorded is not None:
-                        try:
+                    try:
+                        async with self.lock:
+                            recorded = await self._inventory(link, item.body)
+                        if recorded is not None:
                             await recorded  # on record (outside the lock), then a pass
-                        finally:
-                            self._recording.discard(link.worker_id)
-                        self.request_pass()
+                    finally:
+                        self._recording.discard(link.worker_id)
+                    self.request_pass()
                     continue
                 async with self.lock:
                     written = await self._member_frame(link, item.kind, item.body)
@@ -870,6 +877,9 @@ def _probe_seconds(spec: JobSpec, members: Sequence[WorkerInventory]) -> float |
 
 
 def _probe_pair(raw: Any) -> ProbePair:
+    if not isinstance(raw, dict):
+        raise ValueError(f"a probe pair is a JSON object, not {type(raw).__name__}")
+
     def number(key: str) -> float | None:
         value = raw.get(key)
         return float(value) if isinstance(value, int | float) else None

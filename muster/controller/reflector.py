@@ -11,6 +11,8 @@ the reflector amplifies nothing, and anything else is dropped and counted.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ipaddress
 import logging
 import socket
 from typing import cast
@@ -36,7 +38,12 @@ class Reflector(asyncio.DatagramProtocol):
         if self.transport is None:
             return
         nonce = data[len(REQUEST) :].split(b" ", 1)[0] if data.startswith(REQUEST) else b""
-        reply = REPLY + nonce + f" {addr[0]} {addr[1]}".encode()
+        host = str(addr[0])
+        with contextlib.suppress(ValueError):  # an IPv4 agent on a dual-stack socket
+            mapped = ipaddress.ip_address(host)
+            if isinstance(mapped, ipaddress.IPv6Address) and mapped.ipv4_mapped is not None:
+                host = str(mapped.ipv4_mapped)
+        reply = REPLY + nonce + f" {host} {addr[1]}".encode()
         if not nonce or len(data) > MAX_REQUEST or len(reply) > len(data):
             self.metrics.frames_refused.labels("reflector").inc()
             return

@@ -73,6 +73,7 @@ _M = MemberState
 _FORWARD = (_M.PENDING, _M.ASSIGNED, _M.STARTING, _M.RUNNING, _M.SUCCEEDED)
 _BEFORE_RENDEZVOUS = (JobState.PLACING, JobState.NETWORKING)
 RENDEZVOUS_TIMEOUT_S = 120.0  # node 0 answers PREPARE_RENDEZVOUS within this, or the job fails
+PROBE_PAIR_SLACK_S = 10.0  # a probed pair's connects and echo, beyond its throughput sample
 
 
 def step(run: GangRun, event: Event, now: float) -> tuple[GangRun, tuple[Action, ...]]:
@@ -197,7 +198,7 @@ def _start_probe_or_rendezvous(turn: _Turn) -> None:
         _start_rendezvous(turn)
         return
     path = run.path.value if run.path else "private"
-    turn.run = replace(run, rendezvous_deadline=turn.now + RENDEZVOUS_TIMEOUT_S)
+    turn.run = replace(run, rendezvous_deadline=turn.now + probe_budget(run))
     if run.job_state is not JobState.NETWORKING:
         turn.set_job(
             JobState.NETWORKING,
@@ -205,6 +206,29 @@ def _start_probe_or_rendezvous(turn: _Turn) -> None:
         )
     for member in turn.run.members:
         turn.emit(SendProbeListen(member.node, member.worker))
+
+
+def probe_rounds(n: int) -> list[list[tuple[int, int]]]:
+    """Every pair of n nodes once, in rounds of disjoint pairs (the circle method): no node
+    is in two measurements at once, so no pair shares its links with another of its round
+    beyond what the network itself shares."""
+    nodes: list[int | None] = list(range(n)) + ([None] if n % 2 else [])
+    rounds = []
+    for _ in range(len(nodes) - 1):
+        pairs = []
+        for i in range(len(nodes) // 2):
+            a, b = nodes[i], nodes[-1 - i]
+            if a is not None and b is not None:
+                pairs.append((min(a, b), max(a, b)))
+        rounds.append(sorted(pairs))
+        nodes = [nodes[0], nodes[-1], *nodes[1:-1]]
+    return rounds
+
+
+def probe_budget(run: GangRun) -> float:
+    """How long a run's probe may take: one pair's measurement per round."""
+    per_pair = (run.probe_seconds or 0.0) + PROBE_PAIR_SLACK_S
+    return RENDEZVOUS_TIMEOUT_S + per_pair * len(probe_rounds(len(run.members)))
 
 
 def _probe_ready(turn: _Turn, event: ProbeReady) -> None:
@@ -223,15 +247,25 @@ def _probe_ready(turn: _Turn, event: ProbeReady) -> None:
         _fail(turn, JobState.FAILED, f"{cause}: {why}")
         return
     turn.update(member.node, probe_port=event.port)
-    members = turn.run.members
-    if any(m.probe_port is None for m in members):
+    if all(m.probe_port is not None for m in turn.run.members):
+        _next_probe_round(turn)
+
+
+def _next_probe_round(turn: _Turn) -> None:
+    """Send the next round's measurements, or, after the last, report and rendezvous."""
+    run = turn.run
+    rounds = probe_rounds(len(run.members))
+    index = run.probe_round + 1
+    if index >= len(rounds):
+        _probe_passed(turn)
         return
-    for m in members:
-        later = tuple((p.node, p.probe_port or 0) for p in members if p.node > m.node)
-        if later:
-            turn.emit(SendProbeRun(m.node, m.worker, later, run.probe_seconds))
-        else:
-            turn.update(m.node, probed=())
+    pending = frozenset(a for a, _b in rounds[index])
+    turn.run = replace(run, probe_round=index, probe_pending=pending)
+    for a, b in rounds[index]:
+        member, peer = run.members[a], run.members[b]
+        turn.emit(
+            SendProbeRun(a, member.worker, ((b, peer.probe_port or 0),), run.probe_seconds or 0.0)
+        )
 
 
 def _probe_done(turn: _Turn, event: ProbeDone) -> None:
@@ -240,30 +274,49 @@ def _probe_done(turn: _Turn, event: ProbeDone) -> None:
     if (
         member is None
         or run.job_state is not JobState.NETWORKING
-        or member.probe_port is None
-        or member.probed is not None
+        or member.node not in run.probe_pending
     ):
         return
-    turn.update(member.node, probed=event.pairs)
+    rounds = probe_rounds(len(run.members))
+    expected = [b for a, b in rounds[run.probe_round] if a == member.node]
+    reported = [pair.node for pair in event.pairs]
+    if reported != expected:
+        cause = (
+            f"node{member.node} (worker {member.worker}) reported a probe of nodes "
+            f"{sorted(reported)}, not of {expected}"
+        )
+        _fail(turn, JobState.FAILED, cause)
+        return
+    turn.update(member.node, probed=(*(member.probed or ()), *event.pairs))
+    turn.run = replace(turn.run, probe_pending=turn.run.probe_pending - {member.node})
     for pair in event.pairs:
         if pair.error is not None or pair.connects < 3:
-            peer = turn.run.members[pair.node] if 0 <= pair.node < len(run.members) else None
-            who = f"node{member.node} (worker {member.worker}) to node{pair.node}" + (
-                f" (worker {peer.worker})" if peer else ""
+            peer = run.members[pair.node]
+            who = (
+                f"node{member.node} (worker {member.worker}) "
+                f"to node{pair.node} (worker {peer.worker})"
             )
             _fail(turn, JobState.FAILED, f"the probe failed from {who}: {pair.error}")
             return
-    if any(m.probed is None for m in turn.run.members):
-        return
-    pairs = [
-        (m.node, p) for m in turn.run.members for p in (m.probed or ()) if isinstance(p, ProbePair)
-    ]
+    if not turn.run.probe_pending:
+        _next_probe_round(turn)
+
+
+def _probe_passed(turn: _Turn) -> None:
+    run = turn.run
+    pairs = sorted(
+        ((m.node, p) for m in run.members for p in (m.probed or ()) if isinstance(p, ProbePair)),
+        key=lambda item: (item[0], item[1].node),
+    )
     path = run.path.value if run.path else "private"
     rated = [(p.gbps, a, p) for a, p in pairs if p.gbps is not None]
     if rated:
         _gbps, a, slowest = min(rated, key=lambda item: item[0])
-    else:
+    elif pairs:
         a, slowest = max(pairs, key=lambda item: item[1].rtt_ms or 0.0)
+    else:  # unreachable: a gang that probes has 2+ members
+        _start_rendezvous(turn)
+        return
     summary = (
         f"slowest pair node{a}-node{slowest.node}: "
         + (f"{slowest.gbps:.2f} Gbit/s, " if slowest.gbps is not None else "")
@@ -330,8 +383,13 @@ def _net_ready(turn: _Turn, event: NetReady) -> None:
 def _net_up(turn: _Turn, event: NetUp) -> None:
     member = turn.member(event.node)
     run = turn.run
-    if member is None or run.job_state is not JobState.NETWORKING or member.net_key is None:
-        return
+    if (
+        member is None
+        or run.job_state is not JobState.NETWORKING
+        or member.net_key is None
+        or member.net_up
+    ):
+        return  # (a repeated NET_UP must not start the probe again)
     turn.update(member.node, net_up=True)
     if all(m.net_up for m in turn.run.members):
         turn.emit(
@@ -566,11 +624,15 @@ def _tick(turn: _Turn) -> None:
             m.net_up or not m.networked for m in turn.run.members
         )
         if turn.run.job_state is JobState.NETWORKING and probing:
-            slow = [m for m in turn.run.members if m.probed is None]
+            slow = [
+                m
+                for m in turn.run.members
+                if m.probe_port is None or m.node in turn.run.probe_pending
+            ]
             _fail(
                 turn,
                 JobState.FAILED,
-                f"the probe did not finish within {RENDEZVOUS_TIMEOUT_S:.0f}s: "
+                f"the probe did not finish within {probe_budget(turn.run):.0f}s: "
                 + ", ".join(
                     f"node{m.node} (worker {m.worker}) "
                     + ("did not open its endpoint" if m.probe_port is None else "did not report")
@@ -670,7 +732,8 @@ def _fail(turn: _Turn, state: JobState, cause: str) -> None:
         if not member.assigned:
             turn.set_member(member.node, MemberState.CANCELLED)
             turn.release(member.node)
-            if member.networked:  # its device comes down (the agent answers "absent")
+            if member.networked or member.probe_port is not None:
+                # Its device or its probe endpoint comes down (the agent answers "absent").
                 turn.emit(SendStop(member.worker, cause))
             continue
         if not member.started:

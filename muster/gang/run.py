@@ -75,7 +75,7 @@ class Member:
     net_key: tuple[str, str] | None = None  # (public key, endpoint) from its NET_READY
     net_up: bool = False  # NET_UP: its device knows every peer
     probe_port: int | None = None  # PROBE_READY: where it listens for its peers' probes
-    probed: tuple[object, ...] | None = None  # PROBE_DONE's pairs (ProbePair)
+    probed: tuple[object, ...] | None = None  # the pairs it measured (ProbePair), so far
 
     @property
     def may_be_alive(self) -> bool:
@@ -113,6 +113,8 @@ class GangRun:
     grace_deadline: float | None = None  # set by ControllerRestarted
     rendezvous_deadline: float | None = None  # node 0 must publish its port by then
     probe_seconds: float | None = None  # None: this run does not probe
+    probe_round: int = -1  # the round of disjoint pairs under way (lifecycle.probe_rounds)
+    probe_pending: frozenset[int] = frozenset()  # nodes whose PROBE_DONE of it is awaited
 
     @classmethod
     def placed(

@@ -8,7 +8,12 @@ pair that cannot connect fails the probe, naming the pair.
 
 Wire protocol on a probe connection: the first byte says what it is for. ``c``: a readiness
 connect (closed at once); ``e``: echo, one byte back for each byte; ``t``: throughput, the
-receiver counts bytes until EOF and answers the count as 8 bytes big-endian.
+receiver counts bytes until EOF and answers the count and the nanoseconds from its first to
+its last byte (8 bytes big-endian each): the rate is the receiver's, without the connection's
+set-up and the final round trip.
+
+The listener is bounded: at most MAX_CONNECTIONS at once, each for at most its deadline, all
+of them cut when it closes (when the member is assigned or stopped, or its lifetime ends).
 """
 
 from __future__ import annotations
@@ -23,7 +28,9 @@ CONNECT_TIMEOUT_S = 5.0
 READINESS_CONNECTIONS = 3
 ECHO_ROUNDS = 10
 CHUNK = 256 * 1024
-LISTEN_FOR_S = 300.0  # a listener nobody closes goes away after this
+LISTEN_FOR_S = 300.0  # a listener nobody closes goes away after this (PROBE_LISTEN's "for")
+MAX_CONNECTIONS = 64
+CONNECTION_FOR_S = 75.0  # one probe connection at most (the largest sample is 60 s)
 
 
 @dataclass(frozen=True)
@@ -45,13 +52,20 @@ class ProbeListener:
         self.server: asyncio.Server | None = None
         self.port = 0
         self._closer: asyncio.TimerHandle | None = None
+        self._open: set[asyncio.StreamWriter] = set()
 
-    async def start(self, address: str) -> int:
+    async def start(self, address: str, lifetime: float = LISTEN_FOR_S) -> int:
         await self.close()
-        self.server = await asyncio.start_server(self._serve, address, 0)
+        try:
+            self.server = await asyncio.start_server(self._serve, address, 0)
+        except OSError:
+            # A NAT's or an elastic address no local interface holds: peers reach it all
+            # the same, through whatever maps it here.
+            wildcard = "::" if ":" in address else "0.0.0.0"
+            self.server = await asyncio.start_server(self._serve, wildcard, 0)
         self.port = int(self.server.sockets[0].getsockname()[1])
         self._closer = asyncio.get_running_loop().call_later(
-            LISTEN_FOR_S, lambda: asyncio.ensure_future(self.close())
+            max(1.0, lifetime), lambda: asyncio.ensure_future(self.close())
         )
         return self.port
 
@@ -62,26 +76,40 @@ class ProbeListener:
         if self.server is not None:
             self.server.close()
             self.server = None
+        for writer in list(self._open):  # Server.close leaves accepted connections open
+            writer.transport.abort()
+        self._open.clear()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(self._open) >= MAX_CONNECTIONS:
+            writer.transport.abort()
+            return
+        self._open.add(writer)
         try:
-            kind = await asyncio.wait_for(reader.read(1), CONNECT_TIMEOUT_S)
-            if kind == b"e":
-                while data := await reader.read(1):
-                    writer.write(data)
-                    await writer.drain()
-            elif kind == b"t":
-                count = 0
-                while data := await reader.read(CHUNK):
-                    count += len(data)
-                writer.write(count.to_bytes(8, "big"))
-                await writer.drain()
+            await asyncio.wait_for(self._answer(reader, writer), CONNECTION_FOR_S)
         except (OSError, TimeoutError, asyncio.IncompleteReadError):
             pass
         finally:
+            self._open.discard(writer)
             writer.close()
             with contextlib.suppress(OSError):
                 await writer.wait_closed()
+
+    async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        kind = await asyncio.wait_for(reader.read(1), CONNECT_TIMEOUT_S)
+        if kind == b"e":
+            while data := await reader.read(1):
+                writer.write(data)
+                await writer.drain()
+        elif kind == b"t":
+            count, first, last = 0, 0, 0
+            while data := await reader.read(CHUNK):
+                last = time.perf_counter_ns()
+                if not count:
+                    first = last
+                count += len(data)
+            writer.write(count.to_bytes(8, "big") + (last - first).to_bytes(8, "big"))
+            await writer.drain()
 
 
 async def _connect(address: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -147,11 +175,11 @@ async def _throughput(address: str, port: int, seconds: float) -> float:
             writer.write(block)
             await asyncio.wait_for(writer.drain(), CONNECT_TIMEOUT_S + seconds)
         writer.write_eof()
-        count = int.from_bytes(
-            await asyncio.wait_for(reader.readexactly(8), CONNECT_TIMEOUT_S + seconds), "big"
-        )
-        elapsed = time.perf_counter() - start
-        return round(count * 8 / elapsed / 1e9, 4)
+        answer = await asyncio.wait_for(reader.readexactly(16), CONNECT_TIMEOUT_S + seconds)
+        count, nanos = int.from_bytes(answer[:8], "big"), int.from_bytes(answer[8:], "big")
+        if count == 0 or nanos == 0:
+            return 0.0
+        return round(count * 8 / nanos, 4)  # bits per nanosecond = Gbit/s
     finally:
         writer.close()
 

@@ -135,3 +135,17 @@ def test_the_rendezvous_gets_its_whole_time_after_a_slow_network() -> None:
     assert isinstance(first, SetJobState)
     assert first.state is J.FAILED
     assert "did not publish its rendezvous address within 120s" in first.reason
+
+
+def test_a_repeated_net_up_does_not_start_anything_again() -> None:
+    run = GangRun()
+    run, _ = step(run, Placed("job1", 1, W[:2], PathClass.DIRECT, probe_seconds=1.0), 0)
+    for key in KEYS[:2]:
+        run, _ = step(run, key, 1)
+    run, _ = step(run, NetUp(0), 2)
+    run, actions = step(run, NetUp(1), 2)
+    assert any(a.__class__.__name__ == "SendProbeListen" for a in actions)
+    deadline = run.rendezvous_deadline
+    run, actions = step(run, NetUp(1), 50)
+    assert actions == ()
+    assert run.rendezvous_deadline == deadline

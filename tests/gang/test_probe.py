@@ -16,6 +16,7 @@ from muster.gang import (
     SendStop,
     SetCondition,
     SetJobState,
+    Tick,
     step,
 )
 from muster.spec import JobState, PathClass
@@ -34,31 +35,52 @@ def listening() -> GangRun:
     run, _ = step(run, ProbeReady(0, 40000), 1)
     run, _ = step(run, ProbeReady(2, 40002), 1)
     run, actions = step(run, ProbeReady(1, 40001), 1)
-    assert actions == (
-        SendProbeRun(0, "w0", ((1, 40001), (2, 40002)), 1.0),
-        SendProbeRun(1, "w1", ((2, 40002),), 1.0),
-    )
+    # Rounds of disjoint pairs (3 nodes: one pair a round): 1-2, then 0-2, then 0-1.
+    assert actions == (SendProbeRun(1, "w1", ((2, 40002),), 1.0),)
     return run
 
 
 def test_each_pair_is_measured_once_and_the_slowest_is_reported_before_the_rendezvous() -> None:
     run = listening()
     run, actions = step(run, ProbeDone(1, (ProbePair(2, 3, rtt_ms=0.2, gbps=9.5),)), 2)
-    assert actions == ()
-    pairs = (ProbePair(1, 3, rtt_ms=0.1, gbps=12.0), ProbePair(2, 3, rtt_ms=0.3, gbps=4.25))
-    run, actions = step(run, ProbeDone(0, pairs), 3)
+    assert actions == (SendProbeRun(0, "w0", ((2, 40002),), 1.0),)
+    run, actions = step(run, ProbeDone(0, (ProbePair(2, 3, rtt_ms=0.3, gbps=4.25),)), 3)
+    assert actions == (SendProbeRun(0, "w0", ((1, 40001),), 1.0),)
+    run, actions = step(run, ProbeDone(0, (ProbePair(1, 3, rtt_ms=0.1, gbps=12.0),)), 4)
     summary = "slowest pair node0-node2: 4.25 Gbit/s, RTT 0.3 ms on the private path (3 pairs)"
     assert actions[0] == SetCondition("NetworkQualified", True, "ProbePassed", summary)
     event = actions[1]
     assert isinstance(event, RecordEvent)
     assert event.kind == "Probe"
     assert event.data["slowest"] == {"a": 0, "b": 2, "tcpGbps": 4.25, "rttMs": 0.3}
-    assert len(event.data["pairs"]) == 3  # type: ignore[arg-type]
+    assert event.data["pairs"] == [
+        {"a": 0, "b": 1, "tcpGbps": 12.0, "rttMs": 0.1},
+        {"a": 0, "b": 2, "tcpGbps": 4.25, "rttMs": 0.3},
+        {"a": 1, "b": 2, "tcpGbps": 9.5, "rttMs": 0.2},
+    ]
     assert actions[2:] == (
         SetJobState(J.RENDEZVOUS, "epoch 1: waiting for node0 to publish its address"),
         SendPrepareRendezvous("w0", "10.0.0.1", None),
     )
     assert run.job_state is J.RENDEZVOUS
+
+
+def test_four_nodes_are_probed_in_three_rounds_of_two_disjoint_pairs() -> None:
+    workers = ("w0", "w1", "w2", "w3")
+    run, _ = step(GangRun(), Placed("job1", 1, workers, PathClass.PRIVATE, probe_seconds=1.0), 0)
+    for node in range(4):
+        run, actions = step(run, ProbeReady(node, 40000 + node), 1)
+    assert actions == (
+        SendProbeRun(0, "w0", ((3, 40003),), 1.0),
+        SendProbeRun(1, "w1", ((2, 40002),), 1.0),
+    )
+    run, actions = step(run, ProbeDone(0, (ProbePair(3, 3, 0.1, 1.0),)), 2)
+    assert actions == ()  # the round waits for its other pair
+    run, actions = step(run, ProbeDone(1, (ProbePair(2, 3, 0.1, 1.0),)), 2)
+    assert actions == (
+        SendProbeRun(0, "w0", ((2, 40002),), 1.0),
+        SendProbeRun(1, "w1", ((3, 40003),), 1.0),
+    )
 
 
 def test_a_pair_that_cannot_connect_fails_the_epoch_naming_both_ends() -> None:
@@ -72,7 +94,8 @@ def test_a_pair_that_cannot_connect_fails_the_epoch_naming_both_ends() -> None:
         "the probe failed from node1 (worker w1) to node2 (worker w2): "
         "1 of 3 connections to 10.0.0.3:40002 (TimeoutError)"
     )
-    assert not any(isinstance(a, SendStop) for a in actions)  # nothing was started
+    # Nothing was started; every member's probe endpoint is told to close.
+    assert [a.worker for a in actions if isinstance(a, SendStop)] == list(W)
     assert run.settled
 
 
@@ -89,3 +112,40 @@ def test_a_member_that_cannot_listen_fails_the_epoch() -> None:
 def test_without_a_probe_the_rendezvous_starts_at_once() -> None:
     _, actions = step(GangRun(), Placed("job1", 1, W, PathClass.PRIVATE), 0)
     assert isinstance(actions[-1], SendPrepareRendezvous)
+
+
+def test_a_probe_report_of_the_wrong_peer_fails_the_epoch_and_a_stray_one_is_ignored() -> None:
+    run = listening()
+    _, actions = step(run, ProbeDone(0, (ProbePair(1, 3, rtt_ms=0.1, gbps=1.0),)), 2)
+    assert actions == ()  # node 0 measures nothing in this round
+    run, actions = step(run, ProbeDone(1, ()), 2)
+    assert actions[0] == SetJobState(
+        J.FAILED, "node1 (worker w1) reported a probe of nodes [], not of [2]"
+    )
+
+
+def test_readiness_only_reports_the_slowest_round_trip() -> None:
+    run, _ = step(GangRun(), Placed("job1", 1, W[:2], PathClass.PRIVATE, probe_seconds=0.0), 0)
+    run, _ = step(run, ProbeReady(0, 40000), 1)
+    run, actions = step(run, ProbeReady(1, 40001), 1)
+    assert actions == (SendProbeRun(0, "w0", ((1, 40001),), 0.0),)
+    run, actions = step(run, ProbeDone(0, (ProbePair(1, 3, rtt_ms=0.4),)), 2)
+    assert actions[0] == SetCondition(
+        "NetworkQualified",
+        True,
+        "ProbePassed",
+        "slowest pair node0-node1: RTT 0.4 ms on the private path (1 pairs)",
+    )
+
+
+def test_the_probe_deadline_grows_with_the_gang_and_the_sample() -> None:
+    workers = tuple(f"w{i}" for i in range(10))
+    placed = Placed("job1", 1, workers, PathClass.PRIVATE, probe_seconds=20.0)
+    run, _ = step(GangRun(), placed, 0)
+    budget = 120 + 9 * (20 + 10)  # 10 nodes: 9 rounds
+    _, actions = step(run, Tick(), budget - 1)
+    assert actions == ()
+    _, actions = step(run, Tick(), budget + 1)
+    first = actions[0]
+    assert isinstance(first, SetJobState)
+    assert first.reason.startswith(f"the probe did not finish within {budget}s: node0 (worker w0)")

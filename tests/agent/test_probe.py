@@ -1,0 +1,58 @@
+"""The probe's endpoint and measurements on loopback (the rig tests run it across hosts)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+from muster.net.probe import ProbeListener, measure, probe_peers
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_peer_is_measured_and_a_closed_listener_cuts_what_it_accepted() -> None:
+    async def scenario() -> None:
+        listener = ProbeListener()
+        port = await listener.start("127.0.0.1")
+        result = await measure(1, "127.0.0.1", port, 0.3)
+        assert result.error is None
+        assert result.connects == 3
+        assert result.rtt_ms is not None
+        assert result.rtt_ms > 0
+        assert result.gbps is not None
+        assert result.gbps > 0.1
+        # An echo connection left open is cut when the listener closes.
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"e")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        await listener.close()
+        assert await asyncio.wait_for(reader.read(1), 2) == b""
+        writer.close()
+
+    asyncio.run(scenario())
+
+
+def test_an_address_no_interface_holds_is_served_on_every_address() -> None:
+    async def scenario() -> None:
+        listener = ProbeListener()
+        port = await listener.start("203.0.113.77")  # a NAT's or elastic address
+        try:
+            assert (await measure(1, "127.0.0.1", port, 0)).error is None
+        finally:
+            await listener.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_peer_nobody_listens_for_fails_with_the_count_and_the_reason() -> None:
+    results = asyncio.run(probe_peers([(2, "127.0.0.1", free_port())], 0.2, 30))
+    assert len(results) == 1
+    assert results[0].node == 2
+    assert results[0].connects == 0
+    assert results[0].error is not None
+    assert results[0].error.startswith("0 of 3 connections to 127.0.0.1:")
