@@ -33,6 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from muster.gang.lifecycle import probe_rounds
 from tests.net.rig import Host, Rig, missing_tools, why_unavailable
 
 PROBE_SECONDS = 2.0  # the spec's default probe_seconds
@@ -217,25 +218,27 @@ def probe_gbps(rig: Rig, a: Host, b: Host, address: str, seconds: float) -> floa
 
 
 def probe_gang_seconds(rig: Rig, hosts: list[Host], seconds: float) -> float:
-    """A whole gang's probe as the controller runs it: every member listens, then each
-    measures every later peer, all members at once. Wall seconds until the last is done."""
+    """A whole gang's probe as the controller runs it: every member listens, then the pairs
+    are measured in rounds of disjoint pairs (muster.gang.lifecycle.probe_rounds), each round
+    once the last is done. Wall seconds from the first round to the end of the last."""
     listeners = [probe_listen(rig, h, h.address) for h in hosts]
     try:
         start = time.perf_counter()
-        runs = []
-        for i, host in enumerate(hosts[:-1]):
-            later = [[j, hosts[j].address, listeners[j][1]] for j in range(i + 1, len(hosts))]
-            runs.append(
-                subprocess.Popen(
-                    host.argv(
-                        [sys.executable, "-c", PROBE, "run", json.dumps(later), str(seconds)]
-                    ),
-                    stdout=subprocess.PIPE,
-                    text=True,
+        for pairs in probe_rounds(len(hosts)):
+            runs = []
+            for a, b in pairs:
+                peer = json.dumps([[b, hosts[b].address, listeners[b][1]]])
+                runs.append(
+                    subprocess.Popen(
+                        hosts[a].argv([sys.executable, "-c", PROBE, "run", peer, str(seconds)]),
+                        stdout=subprocess.PIPE,
+                        text=True,
+                    )
                 )
-            )
-        for run in runs:
-            run.communicate(timeout=300)
+            for run in runs:
+                out, _ = run.communicate(timeout=300)
+                if json.loads(out)[0]["error"]:
+                    raise RuntimeError(out)
         return time.perf_counter() - start
     finally:
         for proc, _port in listeners:

@@ -95,7 +95,7 @@ class GangNetwork:
         try:
             async with self._lock:  # (not held while waiting: a STOP may take the device down)
                 await asyncio.to_thread(self.device.set_peers, peers)
-            silent = await self._await_handshakes(peers)
+            silent = await self._await_handshakes(peers, self.owner)
         except Exception as exc:
             log.warning("job %s: setting the peers failed: %s", ids["job"], exc)
             await self.send(Kind.NET_READY, {**ids, "error": f"setting the peers: {exc}"})
@@ -110,11 +110,13 @@ class GangNetwork:
             return
         await self.send(Kind.NET_UP, ids)
 
-    async def _await_handshakes(self, peers: list[Peer]) -> list[Peer]:
+    async def _await_handshakes(
+        self, peers: list[Peer], owner: tuple[str, int] | None
+    ) -> list[Peer]:
         """The peers with no handshake yet once HANDSHAKE_TIMEOUT_S is over (or none)."""
         deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
         while True:
-            if self.owner is None:  # taken down meanwhile (a STOP, the agent stopping)
+            if self.owner != owner:  # taken down (a STOP, the agent stopping), or another's
                 raise RuntimeError("the device was removed")
             done = await asyncio.to_thread(self.device.handshakes)
             silent = [p for p in peers if not done.get(p.public_key)]

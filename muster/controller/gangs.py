@@ -581,13 +581,10 @@ class Controller:
                 return
             try:
                 if item.kind is Kind.INVENTORY:
-                    try:
-                        async with self.lock:
-                            recorded = await self._inventory(link, item.body)
-                        if recorded is not None:
-                            await recorded  # on record (outside the lock), then a pass
-                    finally:
-                        self._recording.discard(link.worker_id)
+                    async with self.lock:
+                        recorded = await self._inventory(link, item.body)
+                    if recorded is not None:
+                        await recorded  # on record (outside the lock), then a pass
                     self.request_pass()
                     continue
                 async with self.lock:
@@ -728,7 +725,8 @@ class Controller:
         written = self.writer.submit(
             [InventoryWrite(inventory.model_dump(mode="json"), held_by, bool(stale))]
         )
-        self._recording.add(worker)
+        self._recording.add(worker)  # out of passes until the write lands (or fails)
+        written.add_done_callback(lambda _done: self._recording.discard(worker))
         for report in stale:
             order = {"job": report.job, "epoch": report.epoch, "node_rank": report.node}
             await link.send(Kind.STOP, {**order, "reason": "the job is not running"})

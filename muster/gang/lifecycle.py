@@ -206,6 +206,7 @@ def _start_probe_or_rendezvous(turn: _Turn) -> None:
         )
     for member in turn.run.members:
         turn.emit(SendProbeListen(member.node, member.worker))
+        turn.update(member.node, probing=True)
 
 
 def probe_rounds(n: int) -> list[list[tuple[int, int]]]:
@@ -732,7 +733,7 @@ def _fail(turn: _Turn, state: JobState, cause: str) -> None:
         if not member.assigned:
             turn.set_member(member.node, MemberState.CANCELLED)
             turn.release(member.node)
-            if member.networked or member.probe_port is not None:
+            if member.networked or member.probing:
                 # Its device or its probe endpoint comes down (the agent answers "absent").
                 turn.emit(SendStop(member.worker, cause))
             continue

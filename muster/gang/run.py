@@ -74,6 +74,7 @@ class Member:
     networked: bool = False  # NET_SETUP was sent: a device of this run may exist on its worker
     net_key: tuple[str, str] | None = None  # (public key, endpoint) from its NET_READY
     net_up: bool = False  # NET_UP: its device knows every peer
+    probing: bool = False  # PROBE_LISTEN was sent: a probe endpoint may be open on its worker
     probe_port: int | None = None  # PROBE_READY: where it listens for its peers' probes
     probed: tuple[object, ...] | None = None  # the pairs it measured (ProbePair), so far
 

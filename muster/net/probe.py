@@ -102,12 +102,15 @@ class ProbeListener:
                 writer.write(data)
                 await writer.drain()
         elif kind == b"t":
+            # Timed from the end of the first read to the end of the last, counting the bytes
+            # in between: the steady part, without set-up and the final round trip.
             count, first, last = 0, 0, 0
             while data := await reader.read(CHUNK):
                 last = time.perf_counter_ns()
-                if not count:
+                if first:
+                    count += len(data)
+                else:
                     first = last
-                count += len(data)
             writer.write(count.to_bytes(8, "big") + (last - first).to_bytes(8, "big"))
             await writer.drain()
 
@@ -171,14 +174,17 @@ async def _throughput(address: str, port: int, seconds: float) -> float:
         writer.write(b"t")
         block = bytes(CHUNK)
         start = time.perf_counter()
+        sent = 0
         while time.perf_counter() - start < seconds:
             writer.write(block)
+            sent += len(block)
             await asyncio.wait_for(writer.drain(), CONNECT_TIMEOUT_S + seconds)
         writer.write_eof()
         answer = await asyncio.wait_for(reader.readexactly(16), CONNECT_TIMEOUT_S + seconds)
         count, nanos = int.from_bytes(answer[:8], "big"), int.from_bytes(answer[8:], "big")
-        if count == 0 or nanos == 0:
-            return 0.0
+        if count == 0 or nanos == 0:  # all of it in one read: the sender's clock, then
+            elapsed = time.perf_counter() - start
+            return round(sent * 8 / elapsed / 1e9, 4) if sent and elapsed > 0 else 0.0
         return round(count * 8 / nanos, 4)  # bits per nanosecond = Gbit/s
     finally:
         writer.close()

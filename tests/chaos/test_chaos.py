@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 from websockets.sync.client import connect
 
@@ -35,11 +36,16 @@ time.sleep(600)
 
 
 def node_processes(cluster: LocalCluster, job_id: str, agent: str) -> list[str]:
-    return [
-        " ".join(p.cmdline())
-        for p in job_processes(cluster, job_id)
-        if f"/{agent}/" in (p.cwd() + "/")
-    ]
+    """The command lines of the job's live processes under ``agent``'s work dir (one that
+    exits while it is being looked at is not counted)."""
+    found = []
+    for p in job_processes(cluster, job_id):
+        try:
+            if f"/{agent}/" in (p.cwd() + "/"):
+                found.append(" ".join(p.cmdline()))
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
 
 
 def test_a_hung_agents_ranks_end_while_it_is_still_stopped(tmp_path: Path) -> None:

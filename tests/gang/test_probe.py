@@ -107,6 +107,8 @@ def test_a_member_that_cannot_listen_fails_the_epoch() -> None:
         "node1 (worker w1) could not open its probe endpoint: "
         "listening on 10.0.0.2: address not here",
     )
+    # Every member was asked to listen: each is told to close its endpoint, answered or not.
+    assert [a.worker for a in actions if isinstance(a, SendStop)] == list(W)
 
 
 def test_without_a_probe_the_rendezvous_starts_at_once() -> None:
