@@ -450,6 +450,26 @@ table ip muster_rig_nat {
             raise AssertionError(f"on {host.name}: python {shlex.join(args)}: {done.stderr}")
         return done.stdout
 
+    def start_cluster(self, hosts: Sequence[Host]) -> Host:
+        """The controller on the rig's ``ctl`` host and an agent on each of ``hosts``, all
+        connected and idle; returns the controller's host."""
+        ctl = self.hosts["ctl"]
+        self.start_controller(ctl)
+        for host in hosts:
+            self.start_agent(host)
+        self.wait_for_workers([h.name for h in hosts])
+        return ctl
+
+    def wait_done(self, job_id: str, timeout: float = 180) -> dict[str, Any]:
+        """The job once it is over (bounded); its events in the message if it is not."""
+        deadline = time.monotonic() + timeout
+        job: dict[str, Any] = self.api("job", job_id)
+        while job["state"] not in ("succeeded", "failed", "cancelled"):
+            assert time.monotonic() < deadline, f"{job_id} still {job['state']}: {job['events']}"
+            time.sleep(0.5)
+            job = self.api("job", job_id)
+        return job
+
     def wait_for_workers(self, names: Sequence[str], timeout: float = 90) -> None:
         """Until every worker in ``names`` is connected and idle (bounded)."""
         deadline = time.monotonic() + timeout
@@ -531,11 +551,7 @@ def _alive(pid: int) -> bool:
 @contextlib.contextmanager
 def rig_with_agents(shape: str, hosts: int) -> Iterator[Rig]:
     with Rig() as rig:
-        made = getattr(rig, shape)(hosts)
-        rig.start_controller(rig.hosts["ctl"])
-        for host in made:
-            rig.start_agent(host)
-        rig.wait_for_workers([h.name for h in made])
+        rig.start_cluster(getattr(rig, shape)(hosts))
         yield rig
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -29,14 +28,18 @@ dist.destroy_process_group()
 """
 
 
-def wait_done(rig: Rig, job_id: str, timeout: float = 180) -> dict[str, Any]:
+def wait_no_device_left(rig: Rig, hosts: tuple[Host, ...], timeout: float = 15) -> None:
+    """Until nothing of a gang's network is left on ``hosts`` (bounded)."""
     deadline = time.monotonic() + timeout
-    job: dict[str, Any] = rig.api("job", job_id)
-    while job["state"] not in ("succeeded", "failed", "cancelled"):
-        assert time.monotonic() < deadline, f"{job_id} still {job['state']}: {job['events']}"
-        time.sleep(0.5)
-        job = rig.api("job", job_id)
-    return job
+    while True:
+        try:
+            for host in hosts:
+                no_device_left(rig, host)
+            return
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 def no_device_left(rig: Rig, host: Host) -> None:
@@ -49,11 +52,7 @@ def no_device_left(rig: Rig, host: Host) -> None:
 def test_a_gloo_job_runs_over_the_direct_path_between_two_regions(rig: Rig, tmp_path: Path) -> None:
     needs("wg", "wireguard-go")
     h1, h2 = rig.two_regions(2)
-    ctl = rig.hosts["ctl"]
-    rig.start_controller(ctl)
-    for host in (h1, h2):
-        rig.start_agent(host)
-    rig.wait_for_workers(["h1", "h2"])
+    ctl = rig.start_cluster((h1, h2))
 
     job_dir = tmp_path / "direct"
     job_dir.mkdir()
@@ -63,7 +62,7 @@ def test_a_gloo_job_runs_over_the_direct_path_between_two_regions(rig: Rig, tmp_
         "distributed: {num_workers: 2, procs_per_worker: 2, backend: gloo}\n"
     )
     job_id = rig.muster(ctl, "submit", str(job_dir / "job.yaml")).strip()
-    job = wait_done(rig, job_id)
+    job = rig.wait_done(job_id)
     assert job["state"] == "succeeded", (job["root_cause"], job["events"])
     assert job["path_class"] == "direct"
     kinds = [e["kind"] for e in job["events"]]
@@ -93,16 +92,7 @@ def test_a_gloo_job_runs_over_the_direct_path_between_two_regions(rig: Rig, tmp_
     assert node0["worker"] in ("h1", "h2")
 
     # Nothing of the gang's network is left on either host once the job is over.
-    deadline = time.monotonic() + 15
-    while True:
-        try:
-            for host in (h1, h2):
-                no_device_left(rig, host)
-            break
-        except AssertionError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
+    wait_no_device_left(rig, (h1, h2))
 
 
 def test_a_container_only_host_is_never_placed_on_the_direct_path(rig: Rig, tmp_path: Path) -> None:
@@ -110,11 +100,7 @@ def test_a_container_only_host_is_never_placed_on_the_direct_path(rig: Rig, tmp_
     carry waits with the reason instead of failing on it."""
     needs("wg", "wireguard-go")
     h1, h2 = rig.two_regions(2, container_only=["h2"])  # no CAP_NET_ADMIN, no /dev/net/tun
-    ctl = rig.hosts["ctl"]
-    rig.start_controller(ctl)
-    for host in (h1, h2):
-        rig.start_agent(host)
-    rig.wait_for_workers(["h1", "h2"])
+    ctl = rig.start_cluster((h1, h2))
     network = {w["id"]: w["network"] for w in rig.api("workers")}
     assert network["h1"]["can_create_device"] is True
     assert network["h1"]["container_only"] is False
@@ -154,11 +140,7 @@ def test_a_three_node_job_runs_direct_across_two_nats(rig: Rig, tmp_path: Path) 
     # Nothing unsolicited gets through a NAT router, not even to the router itself.
     assert not rig.reaches(h3, "203.0.113.101")
     assert rig.reaches(h1, h3.address)
-    ctl = rig.hosts["ctl"]
-    rig.start_controller(ctl)
-    for host in (h1, h2, h3):
-        rig.start_agent(host)
-    rig.wait_for_workers(["h1", "h2", "h3"])
+    ctl = rig.start_cluster((h1, h2, h3))
 
     job_dir = tmp_path / "nat"
     job_dir.mkdir()
@@ -168,7 +150,7 @@ def test_a_three_node_job_runs_direct_across_two_nats(rig: Rig, tmp_path: Path) 
         "distributed: {num_workers: 3, procs_per_worker: 1, backend: gloo}\n"
     )
     job_id = rig.muster(ctl, "submit", str(job_dir / "job.yaml")).strip()
-    job = wait_done(rig, job_id)
+    job = rig.wait_done(job_id)
     assert job["state"] == "succeeded", (job["root_cause"], job["events"])
     assert job["path_class"] == "direct"
     lines = rig.api("logs", job_id)["lines"]
@@ -195,11 +177,7 @@ def test_a_path_that_carries_no_udp_fails_the_epoch_naming_the_peer(
         "  chain forward { type filter hook forward priority -10; meta l4proto udp drop; }\n"
         "}\n",
     )
-    ctl = rig.hosts["ctl"]
-    rig.start_controller(ctl)
-    for host in (h1, h2):
-        rig.start_agent(host)
-    rig.wait_for_workers(["h1", "h2"])
+    ctl = rig.start_cluster((h1, h2))
 
     job_dir = tmp_path / "blocked"
     job_dir.mkdir()
@@ -209,18 +187,9 @@ def test_a_path_that_carries_no_udp_fails_the_epoch_naming_the_peer(
         "distributed: {num_workers: 2, procs_per_worker: 1, backend: gloo}\n"
     )
     job_id = rig.muster(ctl, "submit", str(job_dir / "job.yaml")).strip()
-    job = wait_done(rig, job_id, timeout=120)
+    job = rig.wait_done(job_id, timeout=120)
     assert job["state"] == "failed"
     assert "could not set up the direct path: no WireGuard handshake" in job["root_cause"]
     assert "100.64.0." in job["root_cause"]
     assert not [ln for ln in rig.api("logs", job_id)["lines"] if ln["origin"] == "rank"]
-    deadline = time.monotonic() + 15
-    while True:
-        try:
-            for host in (h1, h2):
-                no_device_left(rig, host)
-            break
-        except AssertionError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
+    wait_no_device_left(rig, (h1, h2))

@@ -103,22 +103,13 @@ def test_container_only_host_has_no_tun_and_no_net_admin(rig: Rig) -> None:
 
 def test_real_agents_on_rig_hosts_run_a_two_node_job(rig: Rig) -> None:
     h1, h2 = rig.one_region(2)
-    ctl = rig.hosts["ctl"]
-    rig.start_controller(ctl)
-    for host in (h1, h2):
-        rig.start_agent(host)
-    rig.wait_for_workers(["h1", "h2"])
+    ctl = rig.start_cluster((h1, h2))
     workers = {w["id"]: w for w in rig.api("workers")}
     assert workers["h1"]["advertise_address"] == h1.address
     assert workers["h2"]["advertise_address"] == h2.address
 
     job_id = rig.muster(ctl, "submit", str(ROOT / "examples/ddp/job.yaml")).strip()
-    deadline = time.monotonic() + 180
-    job = rig.api("job", job_id)
-    while job["state"] not in ("succeeded", "failed", "cancelled"):
-        assert time.monotonic() < deadline, f"{job_id} still {job['state']}"
-        time.sleep(0.5)
-        job = rig.api("job", job_id)
+    job = rig.wait_done(job_id, timeout=180)
     assert job["state"] == "succeeded", job["root_cause"]
     members = {m["node_rank"]: m for m in job["members"]}
     assert {members[0]["worker"], members[1]["worker"]} == {"h1", "h2"}
@@ -153,18 +144,9 @@ def test_a_private_path_the_probe_cannot_cross_fails_before_the_command(rig: Rig
         "meta l4proto tcp drop; }\n"
         "}\n",
     )
-    ctl = rig.hosts["ctl"]
-    rig.start_controller(ctl)
-    for host in (h1, h2):
-        rig.start_agent(host)
-    rig.wait_for_workers(["h1", "h2"])
+    ctl = rig.start_cluster((h1, h2))
     job_id = rig.muster(ctl, "submit", str(ROOT / "examples/ddp/job.yaml")).strip()
-    deadline = time.monotonic() + 120
-    job = rig.api("job", job_id)
-    while job["state"] not in ("succeeded", "failed", "cancelled"):
-        assert time.monotonic() < deadline, job["events"]
-        time.sleep(0.5)
-        job = rig.api("job", job_id)
+    job = rig.wait_done(job_id, timeout=120)
     assert job["state"] == "failed"
     assert "the probe failed from node" in job["root_cause"], job["root_cause"]
     assert "0 of 3 connections" in job["root_cause"], job["root_cause"]
