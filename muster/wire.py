@@ -98,6 +98,9 @@ class Kind(IntEnum):
     PROBE_RUN = 56
     # A->C: {job, epoch, node_rank, pairs: [{node, connects, rtt_ms, gbps, error}]}
     PROBE_DONE = 57
+    # A->C: {job, epoch, node_rank, lost: [mesh address]}: while its member runs on the
+    # direct path, the peers it has heard nothing from lately (sent when the set changes)
+    NET_PATH = 58
 
 
 class FrameRefused(MusterError):

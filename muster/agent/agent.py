@@ -132,13 +132,16 @@ class Agent:
         self.link_up = asyncio.Event()
         self._background: set[asyncio.Task[None]] = set()
         self.alive_file = config.work_dir / ".agent-alive"
-        self.network = GangNetwork(self.send, config.work_dir / ".net", _reflector(config))
+        self.network = GangNetwork(
+            self.send, config.work_dir / ".net", _reflector(config), config.worker_id
+        )
 
     # ---- dialing -------------------------------------------------------------------------
 
     async def run(self) -> int:
         """Serve until the link ends (or forever with persist), or SIGTERM/SIGINT; on the way
         out every member's process tree is stopped. Returns an exit code."""
+        await self.network.sweep_rules()  # a crashed run's rules go before any job
         session = asyncio.create_task(self._serve())
         beats = asyncio.create_task(self._beat_for_watchdogs())
         collector = asyncio.create_task(self._collect_work_dirs())
@@ -158,6 +161,7 @@ class Agent:
             beats.cancel()
             collector.cancel()
             await self.network.down(closing=True)
+            await self.network.sweep_rules()
 
     async def _collect_work_dirs(self, every: float = 3600.0) -> None:
         """Retention: every hour, remove the stale job directories of ended members."""
@@ -486,6 +490,7 @@ class Agent:
 
         async def run() -> None:
             try:
+                await self.network.guard(assignment)
                 await member.run()
             except Exception as exc:
                 log.exception("member of %s failed", job)
@@ -496,6 +501,7 @@ class Agent:
             finally:
                 member.finished = True
                 await self.network.down(job)  # the gang's device goes with the member
+                await self.network.unguard(job)
                 # Every process of the member is gone. Once the controller has acked its
                 # reports the agent forgets it (and says so, so the worker is freed);
                 # until then it stays, and the next link carries them again.
@@ -505,12 +511,14 @@ class Agent:
 
     async def _stop(self, job: str, reason: str, order: dict[str, Any] | None = None) -> None:
         member = self.members.get(job)
-        if member is not None:
+        epoch = order.get("epoch") if order is not None else None
+        if member is not None and (epoch is None or epoch == member.epoch):
             await member.stop(reason)
             return
-        # A gang that ended before its member was assigned: its device and probe endpoint.
-        await self.network.down(job)
-        await self.network.probe_close(job)
+        # A gang that ended before its member was assigned: its device and probe endpoint
+        # (of the STOP's epoch: a fenced epoch's STOP leaves the next epoch's alone).
+        await self.network.down(job, epoch)
+        await self.network.probe_close(job, epoch)
         if order is not None and order.get("node_rank") is not None:
             # Nothing of that member runs here (never assigned, or already over): say so,
             # so the controller can give this worker back to the pool.

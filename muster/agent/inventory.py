@@ -102,14 +102,15 @@ def check_interface(name: str) -> str:
 def network_caps(
     address: str, private_network: str | None, interface: str | None = None
 ) -> NetworkCaps:
-    """Hosts on one loopback, or on one declared (or same /24) network, share a private path."""
+    """Hosts on one loopback, or on one declared network (``--private-network``), share a
+    private path; nothing is guessed from addresses (two hosts in one /24 may still sit
+    behind different firewalls): the probe proves the path before any rank starts."""
     iface = interface or interface_of(address)
+    net_id: str | None
     if ipaddress.ip_address(address).is_loopback:
         net_id = f"loopback:{socket.gethostname()}"
-    elif private_network:
-        net_id = private_network
     else:
-        net_id = f"subnet:{ipaddress.ip_network(f'{address}/24', strict=False)}"
+        net_id = private_network or None
     return NetworkCaps(
         private_network_id=net_id,
         private_address=address,

@@ -1,22 +1,29 @@
-"""The agent's side of the direct path: the gang's WireGuard device, next to the job.
+"""The agent's side of a gang's network: the WireGuard device of the direct path, the
+probe's endpoint, and the rendezvous port's rules, all next to the job.
 
 One device (``muster0``) per agent, for one gang epoch at a time: NET_SETUP makes it (an
 older one first comes down), NET_PEERS gives it the gang's peers, and it comes down when the
-member ends, when a STOP arrives for its job, and when the agent stops. Device commands run
-in a thread: the link's reader never waits on them.
+member ends, when a STOP arrives for its job, and when the agent stops. On node 0 of a gang
+that spans hosts, the rendezvous port takes TCP from the gang's members only while the
+member runs (``muster.net.firewall``); the agent's rules are swept when it starts and
+stops. Device and rule commands run in a thread: the link's reader never waits on them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ipaddress
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from muster.net import firewall
 from muster.net.endpoint import public_endpoint
-from muster.net.probe import LISTEN_FOR_S, ProbeListener, probe_peers
+from muster.net.probe import LISTEN_FOR_S, PairResult, ProbeListener, probe_peers, route_of
 from muster.net.wireguard import Device, Peer, device_unavailable
 from muster.wire import Kind
 
@@ -30,15 +37,24 @@ Send = Callable[[Kind, dict[str, Any]], Awaitable[object]]
 
 
 class GangNetwork:
-    def __init__(self, send: Send, log_dir: Path, reflector: tuple[str, int] | None) -> None:
+    def __init__(
+        self,
+        send: Send,
+        log_dir: Path,
+        reflector: tuple[str, int] | None,
+        worker_id: str = "",
+    ) -> None:
         self.send = send
+        self.firewall = firewall.Firewall(worker_id)
+        self.no_rules: str | None = None  # why this host takes no rules (checked at sweep)
         self.reflector = reflector  # the controller's host and port number (UDP)
         self.device = Device(log_dir=log_dir)
         self.owner: tuple[str, int] | None = None  # (job, epoch) whose device is up
         self._lock = asyncio.Lock()  # one device change at a time
         self.closed = False  # the agent is stopping: no device is made any more
         self.listener = ProbeListener()
-        self.probe_job: str | None = None  # whose probe endpoint is open
+        self.peer_keys: dict[str, str] = {}  # mesh address -> public key (NET_PEERS)
+        self.probe_job: tuple[str, object] | None = None  # (job, epoch) whose endpoint is open
 
     async def setup(self, body: dict[str, Any]) -> None:
         ids = {k: body.get(k) for k in ("job", "epoch", "node_rank")}
@@ -75,6 +91,7 @@ class GangNetwork:
             **ids,
             "public_key": self.device.public_key,
             "port": self.device.port,
+            "join_key": body.get("join_key"),  # the epoch's single-use key, back once
         }
         if public is not None:
             ready["public"] = {"addr": public[0], "port": public[1]}
@@ -92,6 +109,7 @@ class GangNetwork:
             Peer(str(p["public_key"]), str(p["endpoint"]), str(p["address"]))
             for p in body.get("peers") or []
         ]
+        self.peer_keys = {p.address: p.public_key for p in peers}
         try:
             async with self._lock:  # (not held while waiting: a STOP may take the device down)
                 await asyncio.to_thread(self.device.set_peers, peers)
@@ -106,7 +124,8 @@ class GangNetwork:
                 ", ".join(f"{p.address} at {p.endpoint}" for p in silent),
             )
             log.warning("job %s: %s", ids["job"], why)
-            await self.send(Kind.NET_READY, {**ids, "error": why})
+            silent_at = [p.address for p in silent]
+            await self.send(Kind.NET_READY, {**ids, "error": why, "silent": silent_at})
             return
         await self.send(Kind.NET_UP, ids)
 
@@ -124,14 +143,19 @@ class GangNetwork:
                 return silent
             await asyncio.sleep(HANDSHAKE_POLL_S)
 
-    async def down(self, job: str | None = None, *, closing: bool = False) -> None:
-        """Remove the device of ``job`` (any, when None); never raises. ``closing``: the
-        agent stops, and makes no device after this."""
+    async def down(
+        self, job: str | None = None, epoch: object = None, *, closing: bool = False
+    ) -> None:
+        """Remove the device of ``job`` (any, when None; of that epoch only, when given: a
+        STOP of a fenced epoch never takes down the next epoch's device); never raises.
+        ``closing``: the agent stops, and makes no device after this."""
         if closing:
             self.closed = True
         async with self._lock:
             owner = self.owner
             if owner is None or (job is not None and owner[0] != job):
+                return
+            if epoch is not None and owner[1] != epoch:
                 return
             try:
                 await asyncio.to_thread(self.device.down)
@@ -140,15 +164,69 @@ class GangNetwork:
             log.info("job %s: device %s removed", owner[0], self.device.name)
             self.owner = None
 
+    # ---- the rendezvous port's rules ------------------------------------------------------
+
+    async def sweep_rules(self) -> None:
+        """Remove every rule of this agent (a crashed run's too); never raises."""
+        self.no_rules = await asyncio.to_thread(firewall.unavailable)
+        if self.no_rules is not None:
+            return  # said when a gang would need rules (never for gangs on one host)
+        try:
+            if await asyncio.to_thread(self.firewall.sweep):
+                log.info("removed the firewall rules of an earlier run (%s)", self.firewall.table)
+        except Exception:
+            log.exception("sweeping the firewall table %s", self.firewall.table)
+
+    async def guard(self, assignment: dict[str, Any]) -> None:
+        """Node 0 of a gang across hosts: its rendezvous port takes TCP from members only."""
+        addresses = [str(a) for a in assignment.get("addresses") or ()]
+        if (
+            assignment.get("node_rank") != 0
+            or len(addresses) < 2
+            or all(ipaddress.ip_address(a).is_loopback for a in addresses)
+        ):
+            return
+        job, epoch = str(assignment["job"]), int(assignment["epoch"])
+        port = int(assignment["master_port"])
+        if self.no_rules is not None:
+            log.warning(
+                "job %s: no firewall rules on this host (%s): rendezvous port %d stays open "
+                "to anyone who reaches this host",
+                job,
+                self.no_rules,
+                port,
+            )
+            return
+        try:
+            await asyncio.to_thread(self.firewall.open, job, epoch, port, addresses)
+        except Exception as exc:  # the job still runs; the port is open as without rules
+            log.warning("job %s: could not close port %d to non-members: %s", job, port, exc)
+            return
+        log.info(
+            "job %s: rendezvous port %d takes TCP from its %d members only",
+            job,
+            port,
+            len(addresses),
+        )
+
+    async def unguard(self, job: str) -> None:
+        if job not in self.firewall.gangs:
+            return
+        try:
+            await asyncio.to_thread(self.firewall.close, job)
+        except Exception:
+            log.exception("job %s: removing its rules", job)
+
     # ---- the probe (every path) -------------------------------------------------------------
 
     async def probe_listen(self, body: dict[str, Any]) -> None:
         ids = {k: body.get(k) for k in ("job", "epoch", "node_rank")}
         try:
             lifetime = float(body.get("for") or LISTEN_FOR_S)
-            port = await self.listener.start(str(body["addr"]), lifetime)
-            self.probe_job = str(body.get("job"))
-        except OSError as exc:
+            token = bytes.fromhex(str(body.get("token") or ""))
+            port = await self.listener.start(str(body["addr"]), lifetime, token)
+            self.probe_job = (str(body.get("job")), body.get("epoch"))
+        except (OSError, ValueError) as exc:
             why = f"listening on {body['addr']}: {exc}"
             await self.send(Kind.PROBE_READY, {**ids, "error": why})
             return
@@ -160,7 +238,12 @@ class GangNetwork:
         seconds = float(body.get("seconds") or 0)
         # Bounded: each peer gets the connects, the echo and its sample, with room to spare.
         timeout = len(peers) * (seconds + 30.0)
-        results = await probe_peers(peers, seconds, timeout)
+        try:
+            token = bytes.fromhex(str(body.get("token") or ""))
+        except ValueError:
+            token = b""  # the peers will not answer: the probe fails, naming them
+        results = await probe_peers(peers, seconds, timeout, token)
+        results = await asyncio.to_thread(self._paths_taken, results, peers)
         log.info(
             "job %s: probed %s",
             ids["job"],
@@ -168,11 +251,35 @@ class GangNetwork:
         )
         await self.send(Kind.PROBE_DONE, {**ids, "pairs": [r.as_json() for r in results]})
 
-    async def probe_close(self, job: str | None = None) -> None:
-        """Close the probe endpoint (of ``job`` only, when given)."""
-        if job is None or job == self.probe_job:
-            await self.listener.close()
-            self.probe_job = None
+    def _paths_taken(
+        self, results: list[PairResult], peers: list[tuple[int, str, int]]
+    ) -> list[PairResult]:
+        """Each result with the path its traffic took: the interface the peer's address is
+        routed by and, through this agent's device, the endpoint WireGuard uses for it."""
+        address = {node: addr for node, addr, _port in peers}
+        endpoints: dict[str, str] = {}
+        if self.owner is not None:
+            with contextlib.suppress(Exception):  # the device went meanwhile
+                endpoints = self.device.endpoints()
+        taken = []
+        for result in results:
+            addr = address.get(result.node, "")
+            via = route_of(addr) if addr else None
+            key = self.peer_keys.get(addr)
+            endpoint = endpoints.get(key) if key and via == self.device.name else None
+            taken.append(replace(result, via=via, endpoint=endpoint))
+        return taken
+
+    async def probe_close(self, job: str | None = None, epoch: object = None) -> None:
+        """Close the probe endpoint (of ``job`` only, when given; of that epoch only, when
+        given)."""
+        owner = self.probe_job
+        if job is not None and (owner is None or owner[0] != job):
+            return
+        if epoch is not None and owner is not None and owner[1] != epoch:
+            return
+        await self.listener.close()
+        self.probe_job = None
 
     async def keep_only(self, jobs: set[str]) -> None:
         """A new link: drop a device that no member here uses (its gang ended, or the

@@ -42,7 +42,9 @@ def agent(
     work_dir: Path = typer.Option(None, help="where jobs unpack and run [data dir]"),
     advertise_address: str = typer.Option(None, help="address other nodes reach this one at"),
     private_network: str = typer.Option(
-        None, help="id of the network this host shares with others [same /24]"
+        None,
+        help="id of the private network this host shares with others (one VPC, one rack "
+        "LAN); agents with the same id and region may take the private path [none]",
     ),
     interface: str = typer.Option(
         None,

@@ -113,17 +113,23 @@ def describe(
     for c in job.get("conditions") or []:
         line = f"condition {c['type']}={c['status']} ({c['reason']}): {c['message']}"
         out.print(line, markup=False)
-    probes = [e for e in job["events"] if e["kind"] == "Probe"]
-    if probes:  # the latest epoch's probe, every pair
-        table = Table(title="probe", box=None, header_style="bold", pad_edge=False)
-        for col in ("PAIR", "GBIT/S", "RTT MS"):
+    for probe in (e for e in job["events"] if e["kind"] == "Probe"):  # every epoch's
+        data = probe["data"]
+        epoch = data.get("epoch")
+        title = f"probe, epoch {epoch}" if epoch is not None else "probe"
+        table = Table(title=title, box=None, header_style="bold", pad_edge=False)
+        for col in ("PAIR", "GBIT/S", "RTT MS", "PATH TAKEN"):
             table.add_column(col)
-        for pair in probes[-1]["data"].get("pairs", []):
+        for pair in data.get("pairs", []):
             gbps = pair.get("tcpGbps")
+            taken = pair.get("via") or "-"
+            if pair.get("endpoint"):
+                taken += f" to {pair['endpoint']}"
             table.add_row(
                 f"node{pair['a']}-node{pair['b']}",
                 "-" if gbps is None else f"{gbps:.2f}",
                 str(pair.get("rttMs")),
+                taken,
             )
         out.print(table)
     events = Table(title="events", box=None, header_style="bold", pad_edge=False)

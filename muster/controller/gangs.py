@@ -22,14 +22,14 @@ import contextlib
 import ipaddress
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from muster.controller.auth import Tickets
 from muster.controller.ingest import LogIngest
 from muster.controller.links import Link, LinkEnded
 from muster.controller.metrics import Metrics
-from muster.controller.runs import RunEntry, rebuild_run
+from muster.controller.runs import JoinKeys, RunEntry, rebuild_run
 from muster.controller.writer import StoreWriter
 from muster.errors import BadRequest, IllegalTransition, InfrastructureError, PlacementConflict
 from muster.gang import (
@@ -38,11 +38,13 @@ from muster.gang import (
     ControllerRestarted,
     Event,
     GangRun,
+    KeepApart,
     LinkBack,
     LinkLost,
     MemberExited,
     MemberReport,
     MemberStarted,
+    NetPath,
     NetReady,
     NetUp,
     OutputsStored,
@@ -134,6 +136,9 @@ class Controller:
         self._specs: dict[str, JobSpec] = {}  # queued jobs' parsed specs
         self._recording: set[str] = set()  # workers whose INVENTORY write is not committed
         self._why: dict[str, tuple[str | None, float]] = {}  # queued: (reason written, when)
+        # Pairs of workers each job's gangs must not hold together, per path (KeepApart of
+        # its fenced epochs); restored from their EpochFenced events after a restart.
+        self._apart: dict[str, dict[PathClass, frozenset[frozenset[str]]]] = {}
         self._pass_wanted = True
         self.last_pass_took = 0.0
         self._consumers: dict[str, asyncio.Task[None]] = {}  # worker id -> its link's consumer
@@ -206,6 +211,8 @@ class Controller:
                 writes.append(EventWrite(action.kind, action.message, job, action.worker, data))
             elif isinstance(action, ReleaseWorker):
                 writes.append(ReleaseWrite(action.worker, job))
+            elif isinstance(action, KeepApart):
+                self._keep_apart(job, action.path, action.pairs)
             elif isinstance(action, SetCondition):
                 writes.append(
                     ConditionWrite(job, action.type, action.status, action.reason, action.message)
@@ -232,12 +239,15 @@ class Controller:
 
         for action in sends:
             if isinstance(action, SendNetSetup):
+                if entry.join_keys is None or entry.join_keys.epoch != epoch:
+                    entry.join_keys = JoinKeys(epoch)
                 setup = {
                     "job": job,
                     "epoch": epoch,
                     "node_rank": action.node,
                     "address": mesh_address(action.node, entry.mesh),
                     "prefix": MESH_PREFIX,
+                    "join_key": entry.join_keys.issue(action.node),
                 }
                 await send(action.worker, Kind.NET_SETUP, setup)
             elif isinstance(action, SendNetPeers):
@@ -259,6 +269,7 @@ class Controller:
                     "node_rank": action.node,
                     "addr": where,
                     "for": probe_budget(run),  # the listener's lifetime
+                    "token": entry.probe_token,  # only the gang's members are answered
                 }
                 await send(action.worker, Kind.PROBE_LISTEN, order)
             elif isinstance(action, SendProbeRun):
@@ -268,6 +279,7 @@ class Controller:
                     "epoch": epoch,
                     "node_rank": action.node,
                     "seconds": action.seconds,
+                    "token": entry.probe_token,
                     "peers": [
                         {"node": node, "addr": addresses[node], "port": port}
                         for node, port in action.peers
@@ -290,6 +302,10 @@ class Controller:
                     }
                     await link.send(Kind.STOP, order)
         return lost, written
+
+    def _keep_apart(self, job: str, path: PathClass, pairs: Iterable[tuple[str, str]]) -> None:
+        kept = self._apart.setdefault(job, {})
+        kept[path] = kept.get(path, frozenset()) | {frozenset(pair) for pair in pairs}
 
     def _flushed(self, writes: Sequence[Write]) -> None:
         """After a commit: a worker freed or a job ended is room for the queue."""
@@ -433,8 +449,10 @@ class Controller:
                         "fix it and submit the job again",
                     )
                     continue
-            jobs.append(QueuedJob(job_id, spec, seq))
+            jobs.append(QueuedJob(job_id, spec, seq, self._apart.get(job_id)))
         still = {job_id for job_id, _s, _b in queued}
+        for gone in self._apart.keys() - still - self.runs.keys():
+            del self._apart[gone]  # its job ended
         for gone in self._specs.keys() - still:
             del self._specs[gone]  # cancelled while queued
         for gone in self._why.keys() - still:
@@ -527,6 +545,10 @@ class Controller:
     async def restore_runs(self) -> None:
         """Rebuild the runs of jobs caught mid-run and hold them for the grace; a job whose
         spec no longer validates fails at once."""
+        for job_id, pairs in (await self.db(self.store.kept_apart)).items():
+            for path, a, b in pairs:
+                with contextlib.suppress(ValueError):  # a path this version does not know
+                    self._keep_apart(job_id, PathClass(path), [(a, b)])
         records = await self.db(self.store.active_runs)
         if not records:
             return
@@ -624,7 +646,9 @@ class Controller:
                 Kind.PROBE_READY,
                 Kind.PROBE_DONE,
             ):
-                await link.send(Kind.STOP, {"job": job, "reason": "stale"})
+                # (of that epoch only: the job's next epoch may be on this worker already)
+                stale = {"job": job, "epoch": body.get("epoch"), "reason": "stale"}
+                await link.send(Kind.STOP, stale)
             elif kind is Kind.MEMBER_EXITED:
                 # The member of a run no longer tracked is gone: its worker is free.
                 return self.writer.submit([ReleaseWrite(link.worker_id, job)])
@@ -634,6 +658,16 @@ class Controller:
             return nothing
         event: Event
         if kind is Kind.NET_READY:
+            if not body.get("error"):  # joining the epoch's network takes its join key
+                keys = entry.join_keys or JoinKeys(entry.gang.epoch)
+                refused = keys.redeem(node, body.get("join_key"))
+                if refused is not None:
+                    self.metrics.frames_refused.labels("join_key").inc()
+                    log.warning("job %s: %s; refused", job, refused)
+                    why = f"{refused} (worker {link.worker_id}); its NET_READY was refused"
+                    return self.writer.submit(
+                        [EventWrite("JoinRefused", why, job, link.worker_id, {"node": node})]
+                    )
             event = self._net_ready(entry, node, body)
         elif kind is Kind.NET_UP:
             event = NetUp(node)
@@ -644,6 +678,11 @@ class Controller:
             )
         elif kind is Kind.PROBE_DONE:
             event = ProbeDone(node, tuple(_probe_pair(p) for p in body.get("pairs") or []))
+        elif kind is Kind.NET_PATH:
+            at = {mesh_address(n, entry.mesh): n for n in range(len(entry.gang.members))}
+            lost = body.get("lost")
+            nodes = [at[a] for a in lost if a in at] if isinstance(lost, list) else []
+            event = NetPath(node, tuple(nodes))
         elif kind is Kind.RENDEZVOUS_READY:
             event = PortPublished(node, str(body["addr"]), int(body["port"]))
         elif kind is Kind.MEMBER_STARTED:
@@ -669,7 +708,10 @@ class Controller:
         """NET_READY: the member's endpoint is where the reflector saw it (its NAT's public
         address and mapped port), or else its advertise address and the device's port."""
         if body.get("error"):
-            return NetReady(node, error=str(body["error"])[:500])
+            at = {mesh_address(n, entry.mesh): n for n in range(len(entry.gang.members))}
+            silent = body.get("silent")
+            nodes = [at[a] for a in silent if a in at] if isinstance(silent, list) else []
+            return NetReady(node, error=str(body["error"])[:500], silent=tuple(nodes))
         key, port = str(body.get("public_key") or ""), int(body.get("port") or 0)
         host = entry.inventories[node].advertise_address or ""
         public = body.get("public")
@@ -749,6 +791,8 @@ class Controller:
             if state.is_terminal:
                 raise BadRequest(f"job {job_id} already {state.value}; nothing to cancel")
             entry = self.runs.get(job_id)
+            if entry is not None and entry.gang.fenced:
+                entry = None  # its epoch ended; the job waits in the queue again
             if entry is not None and entry.gang.is_over:  # decided, not yet committed
                 done = entry.gang.job_state.value
                 raise BadRequest(f"job {job_id} already {done}; nothing to cancel")
@@ -889,4 +933,13 @@ def _probe_pair(raw: Any) -> ProbePair:
         rtt_ms=number("rtt_ms"),
         gbps=number("gbps"),
         error=str(error)[:500] if error else None,
+        via=_short(raw.get("via")),
+        endpoint=_short(raw.get("endpoint")),
     )
+
+
+def _short(value: object) -> str | None:
+    """A short printable string from an agent (an interface, an endpoint), or None."""
+    if not isinstance(value, str) or not value or len(value) > 64 or not value.isprintable():
+        return None
+    return value

@@ -3,12 +3,54 @@
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass
+import hmac
+import secrets
+import time
+from dataclasses import dataclass, field
 
 from muster.gang import GangRun, MemberSnapshot
 from muster.plan import GangAddressing, gang_addressing, mesh_gang_of
 from muster.spec import JobSpec, JobState, MemberState, PathClass, WorkerInventory
 from muster.store.jobs import RunRecord
+
+JOIN_KEY_TTL_S = 15 * 60.0  # a member's join key is good this long after NET_SETUP
+
+
+@dataclass
+class JoinKeys:
+    """The single-use keys with which an epoch's members join its network: NET_SETUP
+    carries a fresh one to each member, and its NET_READY must bring it back, once, within
+    JOIN_KEY_TTL_S. Kept in the controller's memory only (never stored, never logged)."""
+
+    epoch: int
+    issued: dict[int, tuple[str, float]] = field(default_factory=dict)  # node -> (key, expiry)
+    used: set[int] = field(default_factory=set)
+
+    def issue(self, node: int, now: float | None = None) -> str:
+        key = secrets.token_urlsafe(24)
+        expiry = (time.time() if now is None else now) + JOIN_KEY_TTL_S
+        self.issued[node] = (key, expiry)
+        self.used.discard(node)
+        return key
+
+    def redeem(self, node: int, key: object, now: float | None = None) -> str | None:
+        """None when ``key`` is node's unused, unexpired key (it is now used); else why not."""
+        issued = self.issued.get(node)
+        if issued is None:
+            return f"no join key was issued to node{node} in epoch {self.epoch}"
+        expected, expiry = issued
+        if not isinstance(key, str) or not hmac.compare_digest(key.encode(), expected.encode()):
+            return f"node{node} presented a join key that is not its key for epoch {self.epoch}"
+        if node in self.used:
+            return f"node{node} presented its epoch {self.epoch} join key again (single use)"
+        if (time.time() if now is None else now) > expiry:
+            stamp = datetime.datetime.fromtimestamp(expiry, datetime.UTC).strftime("%H:%M:%S")
+            return (
+                f"node{node} presented an expired join key (epoch {self.epoch}; expired "
+                f"{stamp} UTC, {JOIN_KEY_TTL_S / 60:.0f} min after it was issued)"
+            )
+        self.used.add(node)
+        return None
 
 
 @dataclass
@@ -21,6 +63,9 @@ class RunEntry:
     bundle: str | None
     addressing: GangAddressing | None = None
     mesh: int = 0  # the direct path's mesh gang index (muster.plan.mesh_address)
+    join_keys: JoinKeys | None = None  # the epoch's, issued with its NET_SETUPs
+    # The epoch's probe token: a probe endpoint answers only connections that bring it.
+    probe_token: str = field(default_factory=lambda: secrets.token_hex(16))
 
 
 def rebuild_run(rec: RunRecord, inventories: dict[str, WorkerInventory]) -> RunEntry:

@@ -2,6 +2,7 @@
 
 from muster.gang.actions import (
     Action,
+    KeepApart,
     RecordEvent,
     ReleaseWorker,
     SendAssign,
@@ -26,6 +27,7 @@ from muster.gang.events import (
     MemberExited,
     MemberReport,
     MemberStarted,
+    NetPath,
     NetReady,
     NetUp,
     OutputsStored,
@@ -55,6 +57,7 @@ __all__ = [
     "Event",
     "GangPhase",
     "GangRun",
+    "KeepApart",
     "LinkBack",
     "LinkLost",
     "Member",
@@ -62,6 +65,7 @@ __all__ = [
     "MemberReport",
     "MemberSnapshot",
     "MemberStarted",
+    "NetPath",
     "NetReady",
     "NetUp",
     "OutputsStored",

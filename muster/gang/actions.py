@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
-from muster.spec import JobState, MemberState
+from muster.spec import JobState, MemberState, PathClass
 
 
 @dataclass(frozen=True)
@@ -126,8 +126,18 @@ class ReleaseWorker:
     worker: str
 
 
+@dataclass(frozen=True)
+class KeepApart:
+    """The job's next gangs on ``path`` must not hold both workers of any of ``pairs``
+    (their network failed in this epoch)."""
+
+    path: PathClass
+    pairs: tuple[tuple[str, str], ...]
+
+
 Action: TypeAlias = (
-    SendProbeListen
+    KeepApart
+    | SendProbeListen
     | SendProbeRun
     | SetCondition
     | SendNetSetup

@@ -44,6 +44,7 @@ class NetReady:
     public_key: str = ""
     endpoint: str = ""
     error: str | None = None
+    silent: tuple[int, ...] = ()  # with ``error``: the peers it got no handshake from
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,8 @@ class ProbePair:
     rtt_ms: float | None = None
     gbps: float | None = None
     error: str | None = None
+    via: str | None = None  # the interface its traffic left by (None: not known)
+    endpoint: str | None = None  # on the direct path, the peer's WireGuard endpoint
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,15 @@ class ProbeDone:
 
     node: int
     pairs: tuple[ProbePair, ...] = ()
+
+
+@dataclass(frozen=True)
+class NetPath:
+    """NET_PATH: while the member runs on the direct path, the peers (nodes) it has heard
+    nothing from for a while; empty once every peer is heard again."""
+
+    node: int
+    lost: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -172,6 +184,7 @@ Event: TypeAlias = (
     | NetUp
     | ProbeReady
     | ProbeDone
+    | NetPath
     | PortPublished
     | MemberStarted
     | MemberExited

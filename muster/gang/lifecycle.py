@@ -33,6 +33,7 @@ from typing import Any
 
 from muster.gang.actions import (
     Action,
+    KeepApart,
     RecordEvent,
     ReleaseWorker,
     SendAssign,
@@ -56,6 +57,7 @@ from muster.gang.events import (
     LinkLost,
     MemberExited,
     MemberStarted,
+    NetPath,
     NetReady,
     NetUp,
     OutputsStored,
@@ -67,13 +69,16 @@ from muster.gang.events import (
     Tick,
 )
 from muster.gang.run import GangPhase, GangRun, Member
-from muster.spec import JobState, MemberState, PathClass
+from muster.spec import MESH_INTERFACE, JobState, MemberState, PathClass
 
 _M = MemberState
 _FORWARD = (_M.PENDING, _M.ASSIGNED, _M.STARTING, _M.RUNNING, _M.SUCCEEDED)
 _BEFORE_RENDEZVOUS = (JobState.PLACING, JobState.NETWORKING)
 RENDEZVOUS_TIMEOUT_S = 120.0  # node 0 answers PREPARE_RENDEZVOUS within this, or the job fails
 PROBE_PAIR_SLACK_S = 10.0  # a probed pair's connects and echo, beyond its throughput sample
+# A gang whose network fails before its command starts is placed again (a new epoch, its
+# failed pairs kept apart); in this epoch, it fails instead.
+MAX_NETWORK_EPOCHS = 3
 
 
 def step(run: GangRun, event: Event, now: float) -> tuple[GangRun, tuple[Action, ...]]:
@@ -91,6 +96,8 @@ def step(run: GangRun, event: Event, now: float) -> tuple[GangRun, tuple[Action,
         _probe_ready(turn, event)
     elif isinstance(event, ProbeDone):
         _probe_done(turn, event)
+    elif isinstance(event, NetPath):
+        _net_path(turn, event)
     elif isinstance(event, PortPublished):
         _port_published(turn, event)
     elif isinstance(event, MemberStarted):
@@ -245,7 +252,7 @@ def _probe_ready(turn: _Turn, event: ProbeReady) -> None:
     if event.error is not None or not 0 < event.port < 65536:
         why = event.error or f"port {event.port}"
         cause = f"node{member.node} (worker {member.worker}) could not open its probe endpoint"
-        _fail(turn, JobState.FAILED, f"{cause}: {why}")
+        _fence(turn, f"{cause}: {why}", _with_everyone(run, member.node), "ProbeFailed")
         return
     turn.update(member.node, probe_port=event.port)
     if all(m.probe_port is not None for m in turn.run.members):
@@ -291,13 +298,21 @@ def _probe_done(turn: _Turn, event: ProbeDone) -> None:
     turn.update(member.node, probed=(*(member.probed or ()), *event.pairs))
     turn.run = replace(turn.run, probe_pending=turn.run.probe_pending - {member.node})
     for pair in event.pairs:
+        peer = run.members[pair.node]
+        who = (
+            f"node{member.node} (worker {member.worker}) to node{pair.node} (worker {peer.worker})"
+        )
         if pair.error is not None or pair.connects < 3:
-            peer = run.members[pair.node]
-            who = (
-                f"node{member.node} (worker {member.worker}) "
-                f"to node{pair.node} (worker {peer.worker})"
+            cause = f"the probe failed from {who}: {pair.error}"
+            _fence(turn, cause, [(member.node, pair.node)], "ProbeFailed")
+            return
+        if run.path is PathClass.DIRECT and pair.via is not None and pair.via != MESH_INTERFACE:
+            # Read from the data plane: the pair's traffic did not take the gang's network.
+            cause = (
+                f"the probe's traffic from {who} left by {pair.via}, not {MESH_INTERFACE}: "
+                "not the direct path"
             )
-            _fail(turn, JobState.FAILED, f"the probe failed from {who}: {pair.error}")
+            _fence(turn, cause, [(member.node, pair.node)], "PathNotDirect")
             return
     if not turn.run.probe_pending:
         _next_probe_round(turn)
@@ -329,6 +344,7 @@ def _probe_passed(turn: _Turn) -> None:
             "Probe",
             summary,
             {
+                "epoch": run.epoch,
                 "path": path,
                 "seconds": run.probe_seconds,
                 "slowest": {
@@ -338,7 +354,15 @@ def _probe_passed(turn: _Turn) -> None:
                     "rttMs": slowest.rtt_ms,
                 },
                 "pairs": [
-                    {"a": a, "b": p.node, "tcpGbps": p.gbps, "rttMs": p.rtt_ms} for a, p in pairs
+                    {
+                        "a": a,
+                        "b": p.node,
+                        "tcpGbps": p.gbps,
+                        "rttMs": p.rtt_ms,
+                        "via": p.via,
+                        "endpoint": p.endpoint,
+                    }
+                    for a, p in pairs
                 ],
             },
         ),
@@ -349,6 +373,16 @@ def _probe_passed(turn: _Turn) -> None:
 def _start_rendezvous(turn: _Turn) -> None:
     turn.run = replace(turn.run, rendezvous_deadline=turn.now + RENDEZVOUS_TIMEOUT_S)
     run = turn.run
+    if len(run.members) > 1 and run.job_state is JobState.NETWORKING:
+        path = run.path.value if run.path else "private"
+        turn.emit(
+            SetCondition(
+                "GangReady",
+                True,
+                "NetworkReady",
+                f"epoch {run.epoch}: {len(run.members)} members on the {path} path",
+            )
+        )
     why = f"epoch {run.epoch}: waiting for node0 to publish its address"
     turn.set_job(JobState.RENDEZVOUS, why)
     turn.emit(SendPrepareRendezvous(run.members[0].worker, run.master_addr, run.port))
@@ -362,10 +396,12 @@ def _net_ready(turn: _Turn, event: NetReady) -> None:
         return  # a repeated NET_READY
     if event.error is not None or not event.public_key or not event.endpoint:
         why = event.error or "its NET_READY carried no key or endpoint"
-        _fail(
+        silent = [n for n in event.silent if n != member.node and turn.member(n) is not None]
+        _fence(
             turn,
-            JobState.FAILED,
             f"node{member.node} (worker {member.worker}) could not set up the direct path: {why}",
+            [(member.node, n) for n in silent] or _with_everyone(turn.run, member.node),
+            "DirectPathFailed",
         )
         return
     turn.update(member.node, net_key=(event.public_key, event.endpoint))
@@ -401,6 +437,37 @@ def _net_up(turn: _Turn, event: NetUp) -> None:
             )
         )
         _start_probe_or_rendezvous(turn)
+
+
+def _net_path(turn: _Turn, event: NetPath) -> None:
+    """A running member's view of its direct paths: NetworkDegraded follows the gang's."""
+    member = turn.member(event.node)
+    run = turn.run
+    if member is None or run.is_over or run.path is not PathClass.DIRECT or not member.assigned:
+        return
+    lost = tuple(sorted({n for n in event.lost if n != member.node and turn.member(n)}))
+    if lost == member.lost_peers:
+        return
+    turn.update(member.node, lost_peers=lost)
+    silent = [m for m in turn.run.members if m.lost_peers]
+    if silent:
+        message = f"epoch {run.epoch}: " + "; ".join(
+            f"node{m.node} (worker {m.worker}) hears nothing from "
+            + ", ".join(f"node{n}" for n in m.lost_peers)
+            for m in silent
+        )
+        turn.emit(
+            SetCondition("NetworkDegraded", True, "DirectPathLost", message),
+            RecordEvent("NetworkDegraded", message, {"epoch": run.epoch, "node": member.node}),
+        )
+        turn.run = replace(turn.run, degraded=True)
+    elif run.degraded:
+        message = f"epoch {run.epoch}: every pair hears each other again"
+        turn.emit(
+            SetCondition("NetworkDegraded", False, "DirectPathRestored", message),
+            RecordEvent("NetworkRestored", message, {"epoch": run.epoch, "node": member.node}),
+        )
+        turn.run = replace(turn.run, degraded=False)
 
 
 def _port_published(turn: _Turn, event: PortPublished) -> None:
@@ -630,27 +697,29 @@ def _tick(turn: _Turn) -> None:
                 for m in turn.run.members
                 if m.probe_port is None or m.node in turn.run.probe_pending
             ]
-            _fail(
+            _fence(
                 turn,
-                JobState.FAILED,
                 f"the probe did not finish within {probe_budget(turn.run):.0f}s: "
                 + ", ".join(
                     f"node{m.node} (worker {m.worker}) "
                     + ("did not open its endpoint" if m.probe_port is None else "did not report")
                     for m in slow
                 ),
+                [pair for m in slow for pair in _with_everyone(turn.run, m.node)],
+                "ProbeFailed",
             )
         elif turn.run.job_state is JobState.NETWORKING:
             late = [m for m in turn.run.members if not m.net_up]
-            _fail(
+            _fence(
                 turn,
-                JobState.FAILED,
                 f"the direct network was not up within {RENDEZVOUS_TIMEOUT_S:.0f}s: "
                 + ", ".join(
                     f"node{m.node} (worker {m.worker}) "
                     + ("had no key" if m.net_key is None else "did not set its peers")
                     for m in late
                 ),
+                [pair for m in late for pair in _with_everyone(turn.run, m.node)],
+                "DirectPathFailed",
             )
         else:
             _fail(
@@ -722,11 +791,63 @@ def _restarted(turn: _Turn, event: ControllerRestarted) -> None:
 # ---- failure -----------------------------------------------------------------------------
 
 
+def _with_everyone(run: GangRun, node: int) -> list[tuple[int, int]]:
+    return [(node, m.node) for m in run.members if m.node != node]
+
+
+def _fence(turn: _Turn, cause: str, pairs: list[tuple[int, int]], reason: str) -> None:
+    """This epoch's network failed before any rank started: fence the epoch (every device
+    and probe endpoint comes down, the workers go back) and queue the job again, with the
+    failed pairs kept apart on this path. Not billed: nothing of the user's ran. After
+    MAX_NETWORK_EPOCHS such epochs, or once a member was assigned, the job fails."""
+    run = turn.run
+    if run.is_over:
+        return
+    path = run.path or PathClass.PRIVATE
+    turn.emit(SetCondition("NetworkQualified", False, reason, cause))
+    if run.epoch >= MAX_NETWORK_EPOCHS or any(m.assigned for m in run.members):
+        _fail(turn, JobState.FAILED, f"{cause} (epoch {run.epoch}; not placed again)")
+        return
+    kept = sorted(
+        {
+            tuple(sorted((run.members[a].worker, run.members[b].worker)))
+            for a, b in pairs
+            if a != b and turn.member(a) is not None and turn.member(b) is not None
+        }
+    )
+    again = f"epoch {run.epoch} fenced: {cause}; placing the gang again"
+    if kept:
+        shown = ", ".join(f"{a} and {b}" for a, b in kept[:4])
+        more = f" (and {len(kept) - 4} more pairs)" if len(kept) > 4 else ""
+        again += f", keeping {shown}{more} apart on the {path.value} path"
+        turn.emit(KeepApart(path, tuple((a, b) for a, b in kept)))
+    turn.emit(
+        SetCondition("GangReady", False, reason, again),
+        RecordEvent(
+            "EpochFenced",
+            again,
+            {
+                "epoch": run.epoch,
+                "path": path.value,
+                "reason": reason,
+                "apart": [[a, b] for a, b in kept],
+            },
+        ),
+    )
+    _stop_members(turn, cause)
+    turn.set_job(JobState.QUEUED, again)
+    turn.run = replace(turn.run, fenced=True)
+
+
 def _fail(turn: _Turn, state: JobState, cause: str) -> None:
     """Fail (or cancel) the job: STOP to members that may run, never-started ones cancelled."""
     if turn.run.is_over:
         return
     turn.set_job(state, cause)
+    _stop_members(turn, cause)
+
+
+def _stop_members(turn: _Turn, cause: str) -> None:
     for member in turn.run.members:
         if member.gone:
             continue

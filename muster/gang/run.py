@@ -77,6 +77,7 @@ class Member:
     probing: bool = False  # PROBE_LISTEN was sent: a probe endpoint may be open on its worker
     probe_port: int | None = None  # PROBE_READY: where it listens for its peers' probes
     probed: tuple[object, ...] | None = None  # the pairs it measured (ProbePair), so far
+    lost_peers: tuple[int, ...] = ()  # NET_PATH: peers it hears nothing from (direct path)
 
     @property
     def may_be_alive(self) -> bool:
@@ -116,6 +117,8 @@ class GangRun:
     probe_seconds: float | None = None  # None: this run does not probe
     probe_round: int = -1  # the round of disjoint pairs under way (lifecycle.probe_rounds)
     probe_pending: frozenset[int] = frozenset()  # nodes whose PROBE_DONE of it is awaited
+    fenced: bool = False  # the epoch ended before any rank started; the job is queued again
+    degraded: bool = False  # NetworkDegraded is true: some running pair lost its direct path
 
     @classmethod
     def placed(
@@ -198,8 +201,8 @@ class GangRun:
 
     @property
     def is_over(self) -> bool:
-        """The job is terminal; members may still be stopping."""
-        return self.job_state.is_terminal
+        """The job is terminal, or this epoch was fenced; members may still be stopping."""
+        return self.fenced or self.job_state.is_terminal
 
     @property
     def workers(self) -> tuple[str, ...]:

@@ -6,7 +6,9 @@ one peer at a time: readiness (three fresh TCP connections), round-trip time (an
 connection), and a throughput sample (one stream for ``seconds``, counted by the receiver). A
 pair that cannot connect fails the probe, naming the pair.
 
-Wire protocol on a probe connection: the first byte says what it is for. ``c``: a readiness
+Wire protocol on a probe connection: the first byte says what it is for, and the epoch's
+probe token (16 bytes, from the controller) follows it; a connection without the token is
+cut before anything is answered, so only the gang's own members are measured. ``c``: a readiness
 connect (closed at once); ``e``: echo, one byte back for each byte; ``t``: throughput, the
 receiver counts bytes until EOF and answers the count and the nanoseconds from its first to
 its last byte (8 bytes big-endian each): the rate is the receiver's, without the connection's
@@ -20,7 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
+import re
 import statistics
+import subprocess
 import time
 from dataclasses import asdict, dataclass
 
@@ -40,6 +45,11 @@ class PairResult:
     rtt_ms: float | None = None
     gbps: float | None = None
     error: str | None = None
+    # The path the traffic actually took, read from the data plane after the measurement:
+    # the interface the kernel routes the peer's address by, and on the direct path the
+    # UDP endpoint WireGuard last shook hands with.
+    via: str | None = None
+    endpoint: str | None = None
 
     def as_json(self) -> dict[str, object]:
         return asdict(self)
@@ -51,11 +61,14 @@ class ProbeListener:
     def __init__(self) -> None:
         self.server: asyncio.Server | None = None
         self.port = 0
+        self.token = b""  # the epoch's probe token; every connection must bring it
+        self.refused = 0  # connections cut for a wrong token
         self._closer: asyncio.TimerHandle | None = None
         self._open: set[asyncio.StreamWriter] = set()
 
-    async def start(self, address: str, lifetime: float = LISTEN_FOR_S) -> int:
+    async def start(self, address: str, lifetime: float = LISTEN_FOR_S, token: bytes = b"") -> int:
         await self.close()
+        self.token = token
         try:
             self.server = await asyncio.start_server(self._serve, address, 0)
         except OSError:
@@ -97,6 +110,11 @@ class ProbeListener:
 
     async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         kind = await asyncio.wait_for(reader.read(1), CONNECT_TIMEOUT_S)
+        if self.token:
+            brought = await asyncio.wait_for(reader.readexactly(len(self.token)), CONNECT_TIMEOUT_S)
+            if not hmac.compare_digest(brought, self.token):
+                self.refused += 1
+                return
         if kind == b"e":
             while data := await reader.read(1):
                 writer.write(data)
@@ -119,7 +137,9 @@ async def _connect(address: str, port: int) -> tuple[asyncio.StreamReader, async
     return await asyncio.wait_for(asyncio.open_connection(address, port), CONNECT_TIMEOUT_S)
 
 
-async def measure(node: int, address: str, port: int, seconds: float) -> PairResult:
+async def measure(
+    node: int, address: str, port: int, seconds: float, token: bytes = b""
+) -> PairResult:
     """Readiness, RTT and (``seconds`` > 0) throughput to one peer."""
     connects = 0
     times = []
@@ -133,7 +153,7 @@ async def measure(node: int, address: str, port: int, seconds: float) -> PairRes
             continue
         times.append(time.perf_counter() - start)
         connects += 1
-        writer.write(b"c")
+        writer.write(b"c" + token)
         writer.close()
         with contextlib.suppress(OSError):
             await writer.wait_closed()
@@ -145,17 +165,17 @@ async def measure(node: int, address: str, port: int, seconds: float) -> PairRes
             f"({last_error})",
         )
     try:
-        rtt = await _echo(address, port)
-        gbps = await _throughput(address, port, seconds) if seconds > 0 else None
+        rtt = await _echo(address, port, token)
+        gbps = await _throughput(address, port, seconds, token) if seconds > 0 else None
     except (OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
         return PairResult(node, connects, error=f"measuring {address}:{port}: {exc!r}")
     return PairResult(node, connects, rtt_ms=round(rtt * 1e3, 3), gbps=gbps)
 
 
-async def _echo(address: str, port: int) -> float:
+async def _echo(address: str, port: int, token: bytes) -> float:
     reader, writer = await _connect(address, port)
     try:
-        writer.write(b"e")
+        writer.write(b"e" + token)
         rounds = []
         for _ in range(ECHO_ROUNDS):
             start = time.perf_counter()
@@ -168,10 +188,10 @@ async def _echo(address: str, port: int) -> float:
         writer.close()
 
 
-async def _throughput(address: str, port: int, seconds: float) -> float:
+async def _throughput(address: str, port: int, seconds: float, token: bytes) -> float:
     reader, writer = await _connect(address, port)
     try:
-        writer.write(b"t")
+        writer.write(b"t" + token)
         block = bytes(CHUNK)
         start = time.perf_counter()
         sent = 0
@@ -191,14 +211,14 @@ async def _throughput(address: str, port: int, seconds: float) -> float:
 
 
 async def probe_peers(
-    peers: list[tuple[int, str, int]], seconds: float, timeout: float
+    peers: list[tuple[int, str, int]], seconds: float, timeout: float, token: bytes = b""
 ) -> list[PairResult]:
     """Measure each (node, address, port) in turn, within ``timeout`` in all."""
     results: list[PairResult] = []
 
     async def run() -> None:
         for node, address, port in peers:
-            results.append(await measure(node, address, port, seconds))
+            results.append(await measure(node, address, port, seconds, token))
 
     try:
         await asyncio.wait_for(run(), timeout)
@@ -210,3 +230,16 @@ async def probe_peers(
             if node not in done
         )
     return results
+
+
+def route_of(address: str) -> str | None:
+    """The interface the kernel sends ``address``'s traffic by (``ip route get``), or None
+    when it cannot tell (no ``ip``, no route)."""
+    try:
+        done = subprocess.run(
+            ["ip", "-o", "route", "get", address], capture_output=True, text=True, timeout=5
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    found = re.search(r"\bdev (\S+)", done.stdout)
+    return found.group(1) if done.returncode == 0 and found else None

@@ -177,6 +177,11 @@ class Device:
         out = _run("wg", "show", self.name, "latest-handshakes")
         return {key: float(when) for key, when in (line.split() for line in out.splitlines())}
 
+    def endpoints(self) -> dict[str, str]:
+        """Peer public key -> the UDP endpoint WireGuard last heard it from ("(none)": never)."""
+        out = _run("wg", "show", self.name, "endpoints")
+        return {key: where for key, where in (line.split() for line in out.splitlines())}
+
     def down(self) -> None:
         """Remove the device (and so wireguard-go); never raises."""
         with contextlib.suppress(Exception):

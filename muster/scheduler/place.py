@@ -15,13 +15,18 @@ Candidates are compared by the path's relative cost (private < direct; relayed c
 direct), then by a fixed order of their attributes, so the answer is deterministic.
 Inside the winning group the workers whose GPU count fits the job most tightly go first,
 then by worker id. A gang of one needs no network and always gets the private class.
+
+A job whose earlier epoch failed its network (a pair the probe could not cross, a direct
+path with no handshake) carries the pairs to keep apart, per path class (``Apart``): its
+next gang on that path never holds both workers of such a pair, so a private pair that
+failed is placed direct, and a direct pair that failed is split.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
@@ -29,6 +34,9 @@ from muster.scheduler.pool import PoolIndex, WorkerKind
 from muster.spec.job import JobSpec
 from muster.spec.network import NetworkClass, PathClass, Transport
 from muster.spec.worker import WorkerInventory, WorkerView
+
+#: Per path class, the worker pairs one gang on that path must not hold together.
+Apart = Mapping[PathClass, frozenset[frozenset[str]]]
 
 
 class Need(NamedTuple):
@@ -251,19 +259,29 @@ def place_gang(
     *,
     exclude: frozenset[WorkerKind] = frozenset(),
     paths: frozenset[PathClass] = ALL_PATHS,
+    apart: Apart | None = None,
 ) -> Placement | Unplaceable:
     """Choose the job's whole gang from the snapshot's idle workers, or say why none fits.
 
     ``exclude`` holds worker kinds that jobs earlier in the queue are waiting for;
     ``paths`` the path classes the controller can set up now. A gang that could only be
     formed on another path stays unplaced, and the reason names the path it would need.
+    ``apart``: the pairs this job's gang must not hold together on a path (see above).
     """
     pool = snapshot if isinstance(snapshot, PoolIndex) else PoolIndex(snapshot)
     need = Need.of(spec)
     index = GroupCache.of(pool).index(need)
     blocked: _Group | None = None
     for group in index.groups:  # already in preference order
-        if _available(group, pool, exclude, need.workers) >= need.workers:
+        pairs = apart.get(group.path) if apart else None
+        if pairs:
+            chosen = _pick_apart(group, pool, need, exclude, pairs)
+            if chosen is None:
+                continue
+            if group.path in paths:
+                return Placement(group.path, chosen)
+            blocked = blocked or group
+        elif _available(group, pool, exclude, need.workers) >= need.workers:
             if group.path in paths:
                 return Placement(group.path, _pick(group, pool, need, exclude))
             blocked = blocked or group
@@ -274,6 +292,15 @@ def place_gang(
             f"only on the {blocked.path.value} path, which this controller cannot set up "
             f"yet (it sets up: {can}); the job waits for workers that share a private network",
             needs_path=blocked.path,
+        )
+    if apart and any(apart.values()):
+        reason, ruled_out = _explain(need, pool, index, exclude)
+        kept = sorted((path.value, sorted(pair)) for path, pairs in apart.items() for pair in pairs)
+        shown = "; ".join(f"{a} and {b} not on the {path} path" for path, (a, b) in kept[:4])
+        more = f" and {len(kept) - 4} more" if len(kept) > 4 else ""
+        return Unplaceable(
+            f"{reason}; kept apart after an epoch whose network failed: {shown}{more}",
+            ruled_out,
         )
     # Jobs of one need explained against the same pool get the same words: explain once.
     cache = GroupCache.of(pool).explained
@@ -296,6 +323,28 @@ def _pick(
             if len(chosen) == need.workers:
                 return tuple(pool.inventory[w] for w in sorted(chosen))
     raise AssertionError("group had fewer idle workers than counted")  # pragma: no cover
+
+
+def _pick_apart(
+    group: _Group,
+    pool: PoolIndex,
+    need: Need,
+    exclude: frozenset[WorkerKind],
+    pairs: frozenset[frozenset[str]],
+) -> tuple[WorkerInventory, ...] | None:
+    """Like ``_pick``, but never two workers of one pair in ``pairs``: each worker in pick
+    order joins unless it would complete such a pair; None when too few remain."""
+    chosen: list[str] = []
+    for kind in group.kinds:
+        if kind in exclude:
+            continue
+        for wid in pool.slots[kind].ids:
+            if any(frozenset((wid, other)) in pairs for other in chosen):
+                continue
+            chosen.append(wid)
+            if len(chosen) == need.workers:
+                return tuple(pool.inventory[w] for w in sorted(chosen))
+    return None
 
 
 def _explain(

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from muster.scheduler.place import (
     ALL_PATHS,
+    Apart,
     GroupCache,
     Need,
     Placement,
@@ -39,6 +40,7 @@ class QueuedJob:
     id: str
     spec: JobSpec
     seq: int  # submission order
+    apart: Apart | None = None  # pairs its gang must not hold together (a failed epoch)
 
 
 @dataclass(frozen=True)
@@ -62,11 +64,12 @@ def schedule(
     waiting_for: list[str] = []
     decisions: list[Decision] = []
     for job in queue_order(jobs):
-        outcome = place_gang(job.spec, pool, exclude=held, paths=paths)
+        outcome = place_gang(job.spec, pool, exclude=held, paths=paths, apart=job.apart)
         if isinstance(outcome, Placement):
             pool.take(outcome.worker_ids)
         else:
-            if held and isinstance(place_gang(job.spec, pool, paths=paths), Placement):
+            free = place_gang(job.spec, pool, paths=paths, apart=job.apart)
+            if held and isinstance(free, Placement):
                 # The first clause (before ";") is the kind of reason and stays the same
                 # while the job waits its turn; which jobs are ahead changes every pass.
                 reason = (
@@ -81,8 +84,13 @@ def schedule(
                 )
             eligible = cache.index(Need.of(job.spec)).eligible
             capacity = sum(pool.slots[k].idle + pool.slots[k].in_use for k in eligible)
-            # A job that waits for a path the controller cannot set up holds nothing back.
-            if capacity >= job.spec.gang.num_workers and outcome.needs_path is None:
+            # A job that waits for a path the controller cannot set up holds nothing back,
+            # nor one kept off pairs of workers (it may wait for others to join for long).
+            if (
+                capacity >= job.spec.gang.num_workers
+                and outcome.needs_path is None
+                and not job.apart
+            ):
                 held = held | frozenset(eligible)
                 waiting_for.append(job.id)
         decisions.append(Decision(job.id, outcome))

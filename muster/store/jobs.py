@@ -131,6 +131,26 @@ class JobRepository(Repository):
             rows = s.execute(select(Job.state, func.count()).group_by(Job.state)).all()
             return {str(state): int(n) for state, n in rows}
 
+    def kept_apart(self) -> dict[str, list[tuple[str, str, str]]]:
+        """For each queued job, the (path, worker, worker) pairs its fenced epochs keep
+        apart (their EpochFenced events): what a restarted controller places by."""
+        with self.db.read() as s:
+            rows = s.execute(
+                select(Event.job_id, Event.data)
+                .join(Job, Job.id == Event.job_id)
+                .where(Event.kind == "EpochFenced", Job.state == JobState.QUEUED.value)
+                .order_by(Event.id)
+            ).all()
+        found: dict[str, list[tuple[str, str, str]]] = {}
+        for job_id, data in rows:
+            if not isinstance(data, dict):
+                continue
+            path = str(data.get("path") or "")
+            for pair in data.get("apart") or ():
+                if isinstance(pair, list) and len(pair) == 2:
+                    found.setdefault(str(job_id), []).append((path, str(pair[0]), str(pair[1])))
+        return found
+
     def job_spec(self, job: Job) -> JobSpec:
         return JobSpec.model_validate(job.spec, strict=False)
 

@@ -71,3 +71,27 @@ def test_a_sample_too_short_for_the_receiver_to_time_still_gives_a_rate() -> Non
         assert result.gbps > 0  # never a 0 Gbit/s that would read as the slowest pair
 
     asyncio.run(scenario())
+
+
+def test_an_endpoint_answers_only_connections_that_bring_the_epochs_token() -> None:
+    """Another gang (or anyone) reaching a member's probe endpoint is cut before any echo or
+    sample; the gang's own members, with the token, are measured."""
+
+    async def scenario() -> None:
+        listener = ProbeListener()
+        token = bytes.fromhex("00112233445566778899aabbccddeeff")
+        port = await listener.start("127.0.0.1", token=token)
+        try:
+            stranger = await measure(1, "127.0.0.1", port, 0.1, token=bytes(16))
+            assert stranger.error is not None
+            assert stranger.error.startswith(f"measuring 127.0.0.1:{port}")
+            assert listener.refused >= 1
+            tokenless = await measure(1, "127.0.0.1", port, 0.1)
+            assert tokenless.error is not None
+            member = await measure(1, "127.0.0.1", port, 0.1, token=token)
+            assert member.error is None
+            assert member.gbps is not None
+        finally:
+            await listener.close()
+
+    asyncio.run(scenario())

@@ -4,21 +4,26 @@ from __future__ import annotations
 
 from muster.gang import (
     GangRun,
+    KeepApart,
+    MemberStarted,
+    NetPath,
     NetReady,
     NetUp,
     Placed,
+    PortPublished,
     RecordEvent,
     ReleaseWorker,
     SendNetPeers,
     SendNetSetup,
     SendPrepareRendezvous,
     SendStop,
+    SetCondition,
     SetJobState,
     SetMemberState,
     Tick,
     step,
 )
-from muster.gang.lifecycle import RENDEZVOUS_TIMEOUT_S
+from muster.gang.lifecycle import MAX_NETWORK_EPOCHS, RENDEZVOUS_TIMEOUT_S
 from muster.spec import JobState, MemberState, PathClass
 
 J, M = JobState, MemberState
@@ -60,35 +65,66 @@ def test_keys_go_round_once_all_are_in_and_the_rendezvous_waits_for_every_device
             "epoch 1: direct network up between 3 members",
             {"epoch": 1, "path": "direct"},
         ),
+        SetCondition("GangReady", True, "NetworkReady", "epoch 1: 3 members on the direct path"),
         SetJobState(J.RENDEZVOUS, "epoch 1: waiting for node0 to publish its address"),
         SendPrepareRendezvous("w0", "100.64.0.1", None),
     )
 
 
-def test_a_member_that_cannot_make_its_device_fails_the_job_and_every_device_comes_down() -> None:
+def test_a_member_that_cannot_make_its_device_fences_the_epoch_and_every_device_comes_down() -> (
+    None
+):
+    """Nothing of the user's ran: the epoch is fenced, its workers go back, and the job is
+    queued again with that member kept apart from the others on the direct path."""
     run = placed()
     run, _ = step(run, KEYS[0], 1)
     run, actions = step(run, NetReady(1, error="no CAP_NET_ADMIN"), 1)
     cause = "node1 (worker w1) could not set up the direct path: no CAP_NET_ADMIN"
-    assert actions[0] == SetJobState(J.FAILED, cause)
+    again = (
+        f"epoch 1 fenced: {cause}; placing the gang again, keeping w0 and w1, w1 and w2 "
+        "apart on the direct path"
+    )
+    assert actions[0] == SetCondition("NetworkQualified", False, "DirectPathFailed", cause)
+    assert KeepApart(PathClass.DIRECT, (("w0", "w1"), ("w1", "w2"))) in actions
+    assert SetCondition("GangReady", False, "DirectPathFailed", again) in actions
+    assert actions[-1] == SetJobState(J.QUEUED, again)
     for node, worker in enumerate(W):
         assert SetMemberState(node, M.CANCELLED) in actions
         assert ReleaseWorker(worker) in actions
         assert SendStop(worker, cause) in actions  # the agent removes the device
     assert run.settled
+    assert run.fenced
+    # The fenced epoch ignores what its members still say; a cancel has nothing to stop.
+    assert step(run, NetUp(0), 2)[1] == ()
 
 
-def test_a_network_that_never_comes_up_fails_at_the_deadline_naming_the_late_members() -> None:
+def test_in_the_last_network_epoch_a_failure_fails_the_job() -> None:
+    run, _ = step(
+        GangRun(), PLACED.__class__(**{**PLACED.__dict__, "epoch": MAX_NETWORK_EPOCHS}), 0
+    )
+    run, actions = step(run, NetReady(1, error="no CAP_NET_ADMIN"), 1)
+    cause = "node1 (worker w1) could not set up the direct path: no CAP_NET_ADMIN"
+    assert SetJobState(J.FAILED, f"{cause} (epoch {MAX_NETWORK_EPOCHS}; not placed again)") in (
+        actions
+    )
+    assert not any(isinstance(a, KeepApart) for a in actions)
+    assert run.settled
+    assert not run.fenced
+
+
+def test_a_network_that_never_comes_up_is_fenced_at_the_deadline_naming_the_late_members() -> None:
     run = placed()
     run, _ = step(run, KEYS[0], 1)
     run, _ = step(run, KEYS[1], 1)
     run, actions = step(run, Tick(), RENDEZVOUS_TIMEOUT_S - 1)
     assert actions == ()
     run, actions = step(run, Tick(), RENDEZVOUS_TIMEOUT_S + 1)
-    assert actions[0] == SetJobState(
-        J.FAILED,
-        "the direct network was not up within 120s: node0 (worker w0) did not set its peers, "
-        "node1 (worker w1) did not set its peers, node2 (worker w2) had no key",
+    state = actions[-1]
+    assert isinstance(state, SetJobState)
+    assert state.state is J.QUEUED
+    assert state.reason.startswith(
+        "epoch 1 fenced: the direct network was not up within 120s: node0 (worker w0) did not "
+        "set its peers, node1 (worker w1) did not set its peers, node2 (worker w2) had no key"
     )
 
 
@@ -110,15 +146,17 @@ def test_frames_of_the_network_phase_are_ignored_after_it() -> None:
     assert step(run, NetUp(1), 2)[1] == ()
 
 
-def test_a_member_whose_peers_cannot_be_set_fails_the_job_with_its_reason() -> None:
+def test_a_member_with_silent_peers_keeps_only_those_pairs_apart() -> None:
     run = placed()
     for key in KEYS:
         run, _ = step(run, key, 1)
-    run, actions = step(run, NetReady(2, error="no WireGuard handshake within 30s with x"), 2)
-    assert actions[0] == SetJobState(
-        J.FAILED,
-        "node2 (worker w2) could not set up the direct path: "
-        "no WireGuard handshake within 30s with x",
+    why = "no WireGuard handshake within 30s with x"
+    run, actions = step(run, NetReady(2, error=why, silent=(0,)), 2)
+    assert KeepApart(PathClass.DIRECT, (("w0", "w2"),)) in actions
+    assert actions[-1] == SetJobState(
+        J.QUEUED,
+        f"epoch 1 fenced: node2 (worker w2) could not set up the direct path: {why}; "
+        "placing the gang again, keeping w0 and w2 apart on the direct path",
     )
 
 
@@ -149,3 +187,52 @@ def test_a_repeated_net_up_does_not_start_anything_again() -> None:
     run, actions = step(run, NetUp(1), 50)
     assert actions == ()
     assert run.rendezvous_deadline == deadline
+
+
+def running() -> GangRun:
+    """The 3-member direct gang, every member assigned and running."""
+    run = placed()
+    for key in KEYS:
+        run, _ = step(run, key, 1)
+    for node in range(3):
+        run, _ = step(run, NetUp(node), 1)
+    run, _ = step(run, PortPublished(0, "100.64.0.1", 29500), 2)
+    for node in range(3):
+        run, _ = step(run, MemberStarted(node), 3)
+    assert run.job_state is J.RUNNING
+    return run
+
+
+def test_a_running_pair_that_loses_its_path_sets_network_degraded_until_it_is_back() -> None:
+    run = running()
+    run, actions = step(run, NetPath(0, (2,)), 4)
+    lost = "epoch 1: node0 (worker w0) hears nothing from node2"
+    assert actions[0] == SetCondition("NetworkDegraded", True, "DirectPathLost", lost)
+    assert run.job_state is J.RUNNING  # training goes on
+    _, again = step(run, NetPath(0, (2,)), 5)
+    assert again == ()  # the same report changes nothing
+    run, actions = step(run, NetPath(2, (0,)), 5)
+    assert actions[0] == SetCondition(
+        "NetworkDegraded",
+        True,
+        "DirectPathLost",
+        "epoch 1: node0 (worker w0) hears nothing from node2; "
+        "node2 (worker w2) hears nothing from node0",
+    )
+    run, actions = step(run, NetPath(0, ()), 6)
+    assert isinstance(actions[0], SetCondition)
+    assert actions[0].status is True  # node2 still hears nothing from node0
+    run, actions = step(run, NetPath(2, ()), 7)
+    assert actions[0] == SetCondition(
+        "NetworkDegraded",
+        False,
+        "DirectPathRestored",
+        "epoch 1: every pair hears each other again",
+    )
+    assert not run.degraded
+
+
+def test_path_reports_outside_a_running_direct_gang_are_ignored() -> None:
+    assert step(placed(), NetPath(0, (1,)), 1)[1] == ()  # nobody assigned yet
+    run, _ = step(GangRun(), Placed("job1", 1, W, PathClass.PRIVATE), 0)
+    assert step(run, NetPath(0, (1,)), 1)[1] == ()

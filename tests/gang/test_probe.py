@@ -1,10 +1,14 @@
 """The probe in the gang lifecycle: every pair measured once, the slowest pair reported, and
-the rendezvous only after it; a pair that cannot connect fails the epoch naming it."""
+the rendezvous only after it; a pair that cannot connect fences the epoch naming it, and
+the gang is placed again with that pair kept apart on the path."""
 
 from __future__ import annotations
 
 from muster.gang import (
     GangRun,
+    KeepApart,
+    NetReady,
+    NetUp,
     Placed,
     ProbeDone,
     ProbePair,
@@ -53,12 +57,14 @@ def test_each_pair_is_measured_once_and_the_slowest_is_reported_before_the_rende
     assert isinstance(event, RecordEvent)
     assert event.kind == "Probe"
     assert event.data["slowest"] == {"a": 0, "b": 2, "tcpGbps": 4.25, "rttMs": 0.3}
+    none = {"via": None, "endpoint": None}
     assert event.data["pairs"] == [
-        {"a": 0, "b": 1, "tcpGbps": 12.0, "rttMs": 0.1},
-        {"a": 0, "b": 2, "tcpGbps": 4.25, "rttMs": 0.3},
-        {"a": 1, "b": 2, "tcpGbps": 9.5, "rttMs": 0.2},
+        {"a": 0, "b": 1, "tcpGbps": 12.0, "rttMs": 0.1, **none},
+        {"a": 0, "b": 2, "tcpGbps": 4.25, "rttMs": 0.3, **none},
+        {"a": 1, "b": 2, "tcpGbps": 9.5, "rttMs": 0.2, **none},
     ]
     assert actions[2:] == (
+        SetCondition("GangReady", True, "NetworkReady", "epoch 1: 3 members on the private path"),
         SetJobState(J.RENDEZVOUS, "epoch 1: waiting for node0 to publish its address"),
         SendPrepareRendezvous("w0", "10.0.0.1", None),
     )
@@ -83,29 +89,42 @@ def test_four_nodes_are_probed_in_three_rounds_of_two_disjoint_pairs() -> None:
     )
 
 
-def test_a_pair_that_cannot_connect_fails_the_epoch_naming_both_ends() -> None:
+def test_a_pair_that_cannot_connect_fences_the_epoch_and_keeps_the_pair_apart() -> None:
     run = listening()
     bad = ProbePair(2, 1, error="1 of 3 connections to 10.0.0.3:40002 (TimeoutError)")
     run, actions = step(run, ProbeDone(1, (bad,)), 2)
-    first = actions[0]
-    assert isinstance(first, SetJobState)
-    assert first.state is J.FAILED
-    assert first.reason == (
+    cause = (
         "the probe failed from node1 (worker w1) to node2 (worker w2): "
         "1 of 3 connections to 10.0.0.3:40002 (TimeoutError)"
     )
+    assert actions[0] == SetCondition("NetworkQualified", False, "ProbeFailed", cause)
+    assert KeepApart(PathClass.PRIVATE, (("w1", "w2"),)) in actions
+    assert actions[-1] == SetJobState(
+        J.QUEUED,
+        f"epoch 1 fenced: {cause}; placing the gang again, keeping w1 and w2 apart on the "
+        "private path",
+    )
+    fenced = [a for a in actions if isinstance(a, RecordEvent) and a.kind == "EpochFenced"]
+    assert fenced[0].data == {
+        "epoch": 1,
+        "path": "private",
+        "reason": "ProbeFailed",
+        "apart": [["w1", "w2"]],
+    }
     # Nothing was started; every member's probe endpoint is told to close.
     assert [a.worker for a in actions if isinstance(a, SendStop)] == list(W)
     assert run.settled
 
 
-def test_a_member_that_cannot_listen_fails_the_epoch() -> None:
+def test_a_member_that_cannot_listen_fences_the_epoch() -> None:
     run, _ = step(GangRun(), PLACED, 0)
     run, actions = step(run, ProbeReady(1, error="listening on 10.0.0.2: address not here"), 1)
-    assert actions[0] == SetJobState(
-        J.FAILED,
-        "node1 (worker w1) could not open its probe endpoint: "
-        "listening on 10.0.0.2: address not here",
+    state = actions[-1]
+    assert isinstance(state, SetJobState)
+    assert state.state is J.QUEUED
+    assert state.reason.startswith(
+        "epoch 1 fenced: node1 (worker w1) could not open its probe endpoint: "
+        "listening on 10.0.0.2: address not here"
     )
     # Every member was asked to listen: each is told to close its endpoint, answered or not.
     assert [a.worker for a in actions if isinstance(a, SendStop)] == list(W)
@@ -148,6 +167,37 @@ def test_the_probe_deadline_grows_with_the_gang_and_the_sample() -> None:
     _, actions = step(run, Tick(), budget - 1)
     assert actions == ()
     _, actions = step(run, Tick(), budget + 1)
-    first = actions[0]
-    assert isinstance(first, SetJobState)
-    assert first.reason.startswith(f"the probe did not finish within {budget}s: node0 (worker w0)")
+    state = actions[-1]
+    assert isinstance(state, SetJobState)
+    assert state.state is J.QUEUED
+    assert state.reason.startswith(
+        f"epoch 1 fenced: the probe did not finish within {budget}s: node0 (worker w0)"
+    )
+
+
+def test_a_direct_pair_whose_traffic_left_by_another_interface_is_fenced() -> None:
+    """Read from the data plane: on the direct path every pair's traffic must leave by
+    muster0; a route that takes the mesh's addresses elsewhere is not the direct path."""
+    placed = Placed("job1", 1, W[:2], PathClass.DIRECT, probe_seconds=0.0)
+    run, _ = step(GangRun(), placed, 0)
+    run, _ = step(run, NetReady(0, "k0=", "10.0.0.1:1"), 0)
+    run, _ = step(run, NetReady(1, "k1=", "10.0.0.2:1"), 0)
+    run, _ = step(run, NetUp(0), 0)
+    run, _ = step(run, NetUp(1), 0)
+    run, _ = step(run, ProbeReady(0, 40000), 1)
+    run, _ = step(run, ProbeReady(1, 40001), 1)
+    good = ProbePair(1, 3, rtt_ms=0.4, via="muster0", endpoint="10.0.0.2:1")
+    _, actions = step(run, ProbeDone(0, (good,)), 2)
+    assert isinstance(actions[0], SetCondition)
+    assert actions[0].status is True
+    bad = ProbePair(1, 3, rtt_ms=0.4, via="eth0")
+    run, actions = step(run, ProbeDone(0, (bad,)), 2)
+    assert actions[0] == SetCondition(
+        "NetworkQualified",
+        False,
+        "PathNotDirect",
+        "the probe's traffic from node0 (worker w0) to node1 (worker w1) left by eth0, "
+        "not muster0: not the direct path",
+    )
+    assert KeepApart(PathClass.DIRECT, (("w0", "w1"),)) in actions
+    assert run.fenced

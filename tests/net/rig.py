@@ -101,6 +101,7 @@ class Host:
     ns: str
     root: Path  # this host's own directory (data dir, work dir, logs)
     container_only: bool = False
+    private_network: str | None = None  # its agent's --private-network
     holder: subprocess.Popen[bytes] | None = None
     addresses: dict[str, str] = field(default_factory=dict)  # interface -> IPv4 address
 
@@ -199,7 +200,7 @@ class Rig:
             holder.kill()
             _, err = holder.communicate(timeout=5)
             raise RigUnavailable(f"host {name}: its mount namespace: {err.decode().strip()}")
-        host = self.hosts[name] = Host(name, ns, root, container_only, holder)
+        host = self.hosts[name] = Host(name, ns, root, container_only, holder=holder)
         return host
 
     def plug(self, host: Host, switch: Switch, *, ifname: str = "eth0", last: int = 0) -> str:
@@ -271,12 +272,14 @@ table ip muster_rig_nat {
     # ---- the shapes ----------------------------------------------------------------------
 
     def one_region(self, count: int, *, container_only: Sequence[str] = ()) -> list[Host]:
-        """``count`` hosts h1..hN and the controller host ctl on one switch (10.77.0.0/24)."""
+        """``count`` hosts h1..hN and the controller host ctl on one switch (10.77.0.0/24),
+        their agents declaring one private network (``--private-network region``)."""
         region = self.add_switch("region", "10.77.0")
         self.plug(self.add_host("ctl"), region, last=2)
         hosts = []
         for i in range(1, count + 1):
             host = self.add_host(f"h{i}", container_only=f"h{i}" in container_only)
+            host.private_network = "region"
             self.plug(host, region)
             hosts.append(host)
         return hosts
@@ -418,7 +421,9 @@ table ip muster_rig_nat {
         return self.spawn(
             host, "agent", sys.executable, "-m", "muster", "agent",
             "--controller", self.controller_url, "--name", host.name,
-            "--work-dir", str(host.root / "work"), *args,
+            "--work-dir", str(host.root / "work"),
+            *(["--private-network", host.private_network] if host.private_network else []),
+            *args,
             env={"MUSTER_TOKEN": self.join_token},
         )  # fmt: skip
 

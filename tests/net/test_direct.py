@@ -71,6 +71,10 @@ def test_a_gloo_job_runs_over_the_direct_path_between_two_regions(rig: Rig, tmp_
     assert probe["data"]["path"] == "direct"
     assert probe["data"]["slowest"]["tcpGbps"] > 0.01, probe  # wireguard-go: ~0.5 Gbit/s here
     assert probe["data"]["slowest"]["rttMs"] > 0
+    # The path as the data plane saw it: out by muster0, to the peer's UDP endpoint.
+    (pair,) = probe["data"]["pairs"]
+    assert pair["via"] == "muster0", pair
+    assert pair["endpoint"].split(":")[0] in (h1.address, h2.address), pair
     conditions = {c["type"]: c for c in job["conditions"]}
     assert conditions["NetworkQualified"]["status"] == "True"
     assert conditions["NetworkQualified"]["reason"] == "ProbePassed"
@@ -156,18 +160,24 @@ def test_a_three_node_job_runs_direct_across_two_nats(rig: Rig, tmp_path: Path) 
     lines = rig.api("logs", job_id)["lines"]
     sums = [ln["text"] for ln in lines if ln["text"].startswith("sum=")]
     assert sums == ["sum=6 expected=6"] * 3, lines
+    # Every pair's traffic went out by muster0 to the WireGuard endpoint the reflector gave:
+    # the NAT'd members' routers' public addresses.
+    probe = next(e for e in job["events"] if e["kind"] == "Probe")
+    assert len(probe["data"]["pairs"]) == 3
+    for pair in probe["data"]["pairs"]:
+        assert pair["via"] == "muster0", pair
+        assert pair["endpoint"].startswith("203.0.113."), pair
     # The NAT'd members were reached at their routers' public addresses.
     for host, public in ((h1, "203.0.113.101"), (h2, "203.0.113.102")):
         log = rig.log(host, "agent").read_text()
         assert f"seen outside as {public}:" in log, log[-2000:]
 
 
-def test_a_path_that_carries_no_udp_fails_the_epoch_naming_the_peer(
-    rig: Rig, tmp_path: Path
-) -> None:
+def test_a_pair_with_no_direct_path_is_fenced_and_kept_apart(rig: Rig, tmp_path: Path) -> None:
     """The router between the regions drops UDP: the devices get their peers, no handshake
-    ever comes, and the job fails before its command starts, naming the silent peer; no
-    device is left behind."""
+    ever comes, and the epoch is fenced before its command starts, naming the silent peer.
+    With only that pair in the pool the job waits in the queue saying why; no device is
+    left behind, and a cancel ends it."""
     needs("wg", "wireguard-go", "nft")
     h1, h2 = rig.two_regions(2)
     router = rig.hosts["r1"]
@@ -187,9 +197,20 @@ def test_a_path_that_carries_no_udp_fails_the_epoch_naming_the_peer(
         "distributed: {num_workers: 2, procs_per_worker: 1, backend: gloo}\n"
     )
     job_id = rig.muster(ctl, "submit", str(job_dir / "job.yaml")).strip()
-    job = rig.wait_done(job_id, timeout=120)
-    assert job["state"] == "failed"
-    assert "could not set up the direct path: no WireGuard handshake" in job["root_cause"]
-    assert "100.64.0." in job["root_cause"]
+    deadline = time.monotonic() + 120
+    while True:
+        job = rig.api("job", job_id)
+        if job["state"] == "queued" and "kept apart" in (job.get("why_pending") or ""):
+            break
+        assert time.monotonic() < deadline, job
+        time.sleep(1)
+    fenced = [e for e in job["events"] if e["kind"] == "EpochFenced"]
+    assert fenced, job["events"]
+    assert fenced[0]["data"]["apart"] == [["h1", "h2"]]
+    assert "could not set up the direct path: no WireGuard handshake" in fenced[0]["message"]
+    assert "100.64.0." in fenced[0]["message"]
+    assert "h1 and h2 not on the direct path" in job["why_pending"]
     assert not [ln for ln in rig.api("logs", job_id)["lines"] if ln["origin"] == "rank"]
     wait_no_device_left(rig, (h1, h2))
+    rig.muster(ctl, "cancel", job_id)
+    assert rig.api("job", job_id)["state"] == "cancelled"

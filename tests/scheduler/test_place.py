@@ -186,6 +186,33 @@ def test_relayed_counts_four_times_slower_than_direct() -> None:
     assert (result.path, result.worker_ids) == (PathClass.DIRECT, ("x", "y"))
 
 
+def test_a_private_pair_kept_apart_is_placed_direct_instead() -> None:
+    """The probe could not cross p1-p2's private network: the next epoch takes the
+    direct path between the same two workers."""
+    views = idle(worker("p1", private="vpc-1"), worker("p2", private="vpc-1"))
+    apart = {PathClass.PRIVATE: frozenset({frozenset({"p1", "p2"})})}
+    result = place_gang(parse_job(gang(2)), views, apart=apart)
+    assert isinstance(result, Placement)
+    assert (result.path, result.worker_ids) == (PathClass.DIRECT, ("p1", "p2"))
+
+
+def test_a_direct_pair_kept_apart_is_split_or_waits_naming_it() -> None:
+    views = idle(worker("a"), worker("b"), worker("c"))
+    apart = {PathClass.DIRECT: frozenset({frozenset({"a", "b"})})}
+    result = place_gang(parse_job(gang(2)), views, apart=apart)
+    assert isinstance(result, Placement)
+    assert result.worker_ids == ("a", "c")
+    three = place_gang(parse_job(gang(3)), views, apart=apart)
+    assert isinstance(three, Unplaceable)
+    assert "kept apart after an epoch whose network failed: a and b not on the direct path" in (
+        three.reason
+    )
+    # Under transport auto the relayed path may still take the pair.
+    auto = place_gang(parse_job(gang(3, dist={"transport": "auto"})), views, apart=apart)
+    assert isinstance(auto, Placement)
+    assert auto.path is PathClass.RELAYED
+
+
 def test_single_worker_job_needs_no_address_or_network() -> None:
     result = placed(
         {"name": "one", "entrypoint": "t.py"},

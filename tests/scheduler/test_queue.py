@@ -116,3 +116,19 @@ def test_a_gang_only_a_path_not_set_up_can_carry_waits_and_says_so() -> None:
     assert far.needs_path is not None
     assert f"only on the {far.needs_path.value} path" in far.reason
     assert "cannot set up yet" in far.reason
+
+
+def test_a_job_kept_off_a_pair_holds_back_no_job_behind_it() -> None:
+    """A job re-placed after its network failed between a and b cannot form its gang of
+    two from {a, b}; the job behind it takes them instead of waiting behind it."""
+    views = idle(worker("a"), worker("b"))
+    first = QueuedJob(
+        "retry",
+        parse_job(gang(2)),
+        1,
+        apart={PathClass.DIRECT: frozenset({frozenset({"a", "b"})})},
+    )
+    got = outcomes([first, queued("next", 2, gang(2))], PoolIndex(views))
+    assert isinstance(got["retry"], Unplaceable)
+    assert "a and b not on the direct path" in got["retry"].reason
+    assert isinstance(got["next"], Placement)

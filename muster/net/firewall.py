@@ -1,0 +1,129 @@
+"""The rendezvous port of a gang, open to its members only (nftables).
+
+torchrun's c10d store on node 0 listens on every address of the host. While a gang runs,
+its agent drops TCP to that port from any address that is not a member's (on the gang's
+path: private addresses, or mesh addresses on the direct path), so another gang, or anyone
+else who reaches the host, cannot join or disturb the rendezvous.
+
+One table per agent, ``inet muster_<id>``: a set and a rule per gang, both named after the
+gang (``g<hash>``) and carrying the job and epoch in a comment. The agent sweeps its table
+when it starts (a crashed agent's rules go) and deletes it when it stops. Rules are
+changed with ``nft -f -`` (one transaction each); a host without nft or CAP_NET_ADMIN
+gets no rules, and the agent says so once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import re
+import shutil
+import subprocess
+from collections.abc import Sequence
+
+NFT_TIMEOUT_S = 10.0
+
+
+def table_name(worker_id: str) -> str:
+    """The agent's table: ``muster_`` and a digest of its worker id (nft names are short)."""
+    return "muster_" + hashlib.sha256(worker_id.encode()).hexdigest()[:12]
+
+
+def gang_name(job: str) -> str:
+    return "g" + hashlib.sha256(job.encode()).hexdigest()[:12]
+
+
+def _quote(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.:=-]", "_", text)[:100]
+
+
+def unavailable() -> str | None:
+    """Why this host cannot take rules (no nft, or no right to change them), or None."""
+    if shutil.which("nft") is None:
+        return "nft is not installed"
+    try:
+        done = subprocess.run(
+            ["nft", "list", "tables"], capture_output=True, text=True, timeout=NFT_TIMEOUT_S
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"nft does not run: {exc}"
+    if done.returncode != 0:
+        return (done.stderr.strip() or "nft list tables failed").splitlines()[0]
+    return None
+
+
+class Firewall:
+    """One agent's table; every method runs nft (call them off the event loop)."""
+
+    def __init__(self, worker_id: str) -> None:
+        self.table = table_name(worker_id)
+        self.gangs: dict[str, str] = {}  # job -> gang name (its set and its rule's comment)
+
+    def _nft(self, script: str) -> None:
+        done = subprocess.run(
+            ["nft", "-f", "-"],
+            input=script,
+            capture_output=True,
+            text=True,
+            timeout=NFT_TIMEOUT_S,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"nft: {done.stderr.strip() or done.returncode}")
+
+    def sweep(self) -> bool:
+        """Remove this agent's table and everything in it (rules of a crashed run), when
+        there is one; True when one was removed. Creates nothing."""
+        self.gangs.clear()
+        listed = subprocess.run(
+            ["nft", "list", "tables", "inet"], capture_output=True, text=True, timeout=NFT_TIMEOUT_S
+        )
+        if f"table inet {self.table}" not in listed.stdout.split("\n"):
+            return False
+        self._nft(f"delete table inet {self.table}\n")
+        return True
+
+    def open(self, job: str, epoch: int, port: int, members: Sequence[str]) -> None:
+        """Drop TCP to ``port`` unless it comes from one of ``members`` (addresses)."""
+        if job in self.gangs:
+            self.close(job)
+        name = gang_name(job)
+        v4 = sorted({a for a in members if ipaddress.ip_address(a).version == 4})
+        v6 = sorted({a for a in members if ipaddress.ip_address(a).version == 6})
+        note = _quote(f"muster job {job} epoch {epoch}")
+        lines = [
+            f"table inet {self.table} {{",
+            f'  set {name}4 {{ type ipv4_addr; comment "{note}"; '
+            + (f"elements = {{ {', '.join(v4)} }}; " if v4 else "")
+            + "}",
+            f'  set {name}6 {{ type ipv6_addr; comment "{note}"; '
+            + (f"elements = {{ {', '.join(v6)} }}; " if v6 else "")
+            + "}",
+            "  chain input { type filter hook input priority -5; policy accept; }",
+            "}",
+            f"add rule inet {self.table} input meta nfproto ipv4 tcp dport {port} "
+            f'ip saddr != @{name}4 counter drop comment "{name} {note}"',
+            f"add rule inet {self.table} input meta nfproto ipv6 tcp dport {port} "
+            f'ip6 saddr != @{name}6 counter drop comment "{name} {note}"',
+        ]
+        self._nft("\n".join(lines) + "\n")
+        self.gangs[job] = name
+
+    def close(self, job: str) -> None:
+        """Remove the gang's rules and sets (nothing when it has none); with the last gang,
+        the table."""
+        name = self.gangs.pop(job, None)
+        if name is None:
+            return
+        if not self.gangs:  # the last gang: nothing of muster's stays on the host
+            self._nft(f"delete table inet {self.table}\n")
+            return
+        listing = subprocess.run(
+            ["nft", "-a", "list", "chain", "inet", self.table, "input"],
+            capture_output=True,
+            text=True,
+            timeout=NFT_TIMEOUT_S,
+        ).stdout
+        handles = re.findall(rf'comment "{name} [^"]*" # handle (\d+)', listing)
+        script = [f"delete rule inet {self.table} input handle {h}" for h in handles]
+        script += [f"delete set inet {self.table} {name}4", f"delete set inet {self.table} {name}6"]
+        self._nft("\n".join(script) + "\n")
