@@ -79,6 +79,10 @@ class AgentConfig:
     watchdog_timeout: float = 30.0
     # Job directories untouched this long (and not running here) are removed every hour.
     retention: timedelta = timedelta(0)
+    # On the direct path, a peer this agent has received nothing from for this long has
+    # lost its path (NET_PATH: the job's NetworkDegraded). Idle tunnels carry a keepalive
+    # every 25 s, so it is more than two of those.
+    path_timeout: float = 60.0
 
 
 @dataclass
@@ -133,7 +137,11 @@ class Agent:
         self._background: set[asyncio.Task[None]] = set()
         self.alive_file = config.work_dir / ".agent-alive"
         self.network = GangNetwork(
-            self.send, config.work_dir / ".net", _reflector(config), config.worker_id
+            self.send,
+            config.work_dir / ".net",
+            _reflector(config),
+            config.worker_id,
+            path_timeout=config.path_timeout,
         )
 
     # ---- dialing -------------------------------------------------------------------------
@@ -489,6 +497,9 @@ class Agent:
         self.members[job] = member
 
         async def run() -> None:
+            watch = None
+            if assignment.get("path") == "direct" and len(assignment.get("addresses") or ()) > 1:
+                watch = asyncio.create_task(self.network.watch_paths(member.ids()))
             try:
                 await self.network.guard(assignment)
                 await member.run()
@@ -499,6 +510,8 @@ class Agent:
                     {**member.ids(), "exit_code": 1, "tail": [f"muster agent error: {exc}"]},
                 )
             finally:
+                if watch is not None:
+                    watch.cancel()
                 member.finished = True
                 await self.network.down(job)  # the gang's device goes with the member
                 await self.network.unguard(job)

@@ -32,6 +32,7 @@ log = logging.getLogger("muster.agent")
 # WireGuard retries a handshake every 5 s; a hole punched through two NATs may take a few.
 HANDSHAKE_TIMEOUT_S = 30.0
 HANDSHAKE_POLL_S = 0.2
+PATH_WATCH_EVERY_S = 5.0  # how often a running member's direct paths are looked at
 
 Send = Callable[[Kind, dict[str, Any]], Awaitable[object]]
 
@@ -43,8 +44,11 @@ class GangNetwork:
         log_dir: Path,
         reflector: tuple[str, int] | None,
         worker_id: str = "",
+        *,
+        path_timeout: float = 60.0,
     ) -> None:
         self.send = send
+        self.path_timeout = path_timeout
         self.firewall = firewall.Firewall(worker_id)
         self.no_rules: str | None = None  # why this host takes no rules (checked at sweep)
         self.reflector = reflector  # the controller's host and port number (UDP)
@@ -163,6 +167,47 @@ class GangNetwork:
                 log.exception("removing the device of job %s", owner[0])
             log.info("job %s: device %s removed", owner[0], self.device.name)
             self.owner = None
+
+    async def watch_paths(self, ids: dict[str, Any]) -> None:
+        """While the member runs on this agent's device: every few seconds, the peers it
+        has received nothing from for ``path_timeout``; NET_PATH each time that set changes
+        (the controller's NetworkDegraded). Ends with the device; a failed read is logged
+        and the watch goes on."""
+        owner = (str(ids["job"]), ids["epoch"])
+        heard: dict[str, tuple[int, float]] = {}  # public key -> (bytes received, when it grew)
+        reported: list[str] = []
+        failures = 0
+        every = min(PATH_WATCH_EVERY_S, self.path_timeout / 4)
+        while True:
+            await asyncio.sleep(every)
+            if self.owner != owner:
+                return  # the device went (or is another epoch's)
+            try:
+                received = await asyncio.to_thread(self.device.received)
+            except Exception as exc:
+                failures += 1
+                if failures in (1, 10, 100):
+                    log.warning("job %s: reading the device's counters failed: %s", owner[0], exc)
+                continue
+            now = time.monotonic()
+            lost = []
+            for address, key in self.peer_keys.items():
+                count = received.get(key, 0)
+                before = heard.get(key)
+                if before is None or count != before[0]:
+                    heard[key] = (count, now)
+                elif now - before[1] >= self.path_timeout:
+                    lost.append(address)
+            lost.sort()
+            if lost != reported:
+                if lost:
+                    log.warning(
+                        "job %s: nothing from %s for %.0fs", owner[0], lost, self.path_timeout
+                    )
+                else:
+                    log.info("job %s: every peer is heard again", owner[0])
+                reported = lost
+                await self.send(Kind.NET_PATH, {**ids, "lost": lost})
 
     # ---- the rendezvous port's rules ------------------------------------------------------
 

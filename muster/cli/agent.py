@@ -52,6 +52,13 @@ def agent(
         "[the one holding the advertise address]",
     ),
     persist: bool = typer.Option(False, help="dial again forever when the link is lost"),
+    path_timeout: float = typer.Option(
+        60.0,
+        min=5.0,
+        help="seconds without a packet from a direct-path peer before the job's "
+        "NetworkDegraded condition says the pair lost its path (idle tunnels send a "
+        "keepalive every 25 s)",
+    ),
     grace: float = typer.Option(10.0, help="seconds between SIGTERM and SIGKILL on stop"),
     retention: str = typer.Option(
         "0",
@@ -87,6 +94,7 @@ def agent(
         persist=persist,
         grace=grace,
         retention=keep_for,
+        path_timeout=path_timeout,
     )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     remove_stale_job_dirs(config.work_dir, keep_for)  # nothing runs here yet

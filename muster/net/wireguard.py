@@ -177,6 +177,11 @@ class Device:
         out = _run("wg", "show", self.name, "latest-handshakes")
         return {key: float(when) for key, when in (line.split() for line in out.splitlines())}
 
+    def received(self) -> dict[str, int]:
+        """Peer public key -> bytes received from it so far."""
+        out = _run("wg", "show", self.name, "transfer")
+        return {parts[0]: int(parts[1]) for parts in (line.split() for line in out.splitlines())}
+
     def endpoints(self) -> dict[str, str]:
         """Peer public key -> the UDP endpoint WireGuard last heard it from ("(none)": never)."""
         out = _run("wg", "show", self.name, "endpoints")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -214,3 +215,90 @@ def test_a_pair_with_no_direct_path_is_fenced_and_kept_apart(rig: Rig, tmp_path:
     wait_no_device_left(rig, (h1, h2))
     rig.muster(ctl, "cancel", job_id)
     assert rig.api("job", job_id)["state"] == "cancelled"
+
+
+def _condition(job: dict[str, Any], kind: str) -> dict[str, Any] | None:
+    return next((c for c in job["conditions"] if c["type"] == kind), None)
+
+
+def test_a_running_pair_that_loses_its_path_marks_the_job_degraded_until_it_is_back(
+    rig: Rig, tmp_path: Path
+) -> None:
+    """A 2-node gloo job all_reduces over the direct path; the router between the regions
+    starts dropping UDP: within the agents' --path-timeout the job's NetworkDegraded
+    condition turns true, naming the pair, and training waits rather than fails; once UDP
+    flows again the condition turns false and the job ends well."""
+    needs("wg", "wireguard-go", "nft")
+    h1, h2 = rig.two_regions(2)
+    router = rig.hosts["r1"]
+    ctl = rig.hosts["ctl"]
+    rig.start_controller(ctl)
+    for host in (h1, h2):
+        rig.start_agent(host, "--path-timeout", "6")
+    rig.wait_for_workers(["h1", "h2"])
+
+    release = tmp_path / "release"
+    job_dir = tmp_path / "loop"
+    job_dir.mkdir()
+    (job_dir / "train.py").write_text(
+        "import os, time, torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "print('ready', flush=True)\n"
+        "t = torch.ones(1)\n"
+        f"while not os.path.exists({str(release)!r}):\n"
+        "    dist.all_reduce(t)\n"
+        "    time.sleep(0.05)\n"
+        "dist.barrier()\n"
+        "print('done', flush=True)\n"
+    )
+    (job_dir / "job.yaml").write_text(
+        "name: loop\nentrypoint: train.py\ntimeout: 5m\n"
+        "distributed: {num_workers: 2, procs_per_worker: 1, backend: gloo}\n"
+    )
+    job_id = rig.muster(ctl, "submit", str(job_dir / "job.yaml")).strip()
+
+    def until(check: Any, what: str, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            job = rig.api("job", job_id)
+            if check(job):
+                return job
+            assert job["state"] not in ("succeeded", "failed", "cancelled"), job
+            assert time.monotonic() < deadline, f"{what}: {job['conditions']} {job['events']}"
+            time.sleep(0.5)
+
+    def ready(job: dict[str, Any]) -> bool:
+        lines = rig.api("logs", job_id)["lines"]
+        return sum(1 for ln in lines if ln["origin"] == "rank" and ln["text"] == "ready") == 2
+
+    until(ready, "both ranks in the gang", 120)
+    rig.nft(
+        router,
+        "table ip rig_block {\n"
+        "  chain forward { type filter hook forward priority -10; meta l4proto udp drop; }\n"
+        "}\n",
+    )
+    job = until(
+        lambda j: (_condition(j, "NetworkDegraded") or {}).get("status") == "True",
+        "NetworkDegraded after UDP stopped",
+        45,
+    )
+    degraded = _condition(job, "NetworkDegraded")
+    assert degraded is not None
+    assert degraded["reason"] == "DirectPathLost"
+    assert "hears nothing from node" in degraded["message"]
+    assert job["state"] == "running"
+    rig.run(router, "nft", "delete", "table", "ip", "rig_block")
+    job = until(
+        lambda j: (_condition(j, "NetworkDegraded") or {}).get("status") == "False",
+        "NetworkDegraded cleared after UDP flowed again",
+        60,
+    )
+    restored = _condition(job, "NetworkDegraded")
+    assert restored is not None
+    assert restored["reason"] == "DirectPathRestored"
+    release.write_text("")
+    job = rig.wait_done(job_id, timeout=120)
+    assert job["state"] == "succeeded", (job["root_cause"], job["events"])
+    kinds = [e["kind"] for e in job["events"]]
+    assert kinds.index("NetworkDegraded") < kinds.index("NetworkRestored")
