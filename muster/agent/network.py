@@ -331,4 +331,4 @@ class GangNetwork:
         controller restarted, while this agent was away)."""
         owner = self.owner
         if owner is not None and owner[0] not in jobs:
-            await self.down(owner[0])
+            await self.down(owner[0], owner[1])  # that epoch's: a newer one may be up by now

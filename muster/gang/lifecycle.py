@@ -756,13 +756,19 @@ def _restarted(turn: _Turn, event: ControllerRestarted) -> None:
         rendezvous_deadline=event.grace_deadline + RENDEZVOUS_TIMEOUT_S,
     )
     run = turn.run
-    if run.path is PathClass.DIRECT and run.published is None and len(run.members) > 1:
-        # The keys and the mesh addresses of a direct network not yet in use went with
-        # the controller's memory: end this epoch. (Its devices come down on the agents'
-        # side: an agent that dials in again drops a device no member of its uses.)
-        cause = "the controller restarted while the direct network was being set up"
-        _fail(turn, JobState.FAILED, cause)
-        run = turn.run
+    unstarted = len(run.members) > 1 and not any(m.assigned for m in run.members)
+    if unstarted and (
+        run.job_state is JobState.NETWORKING
+        or (run.path is PathClass.DIRECT and run.published is None)
+    ):
+        # The join keys, the mesh addresses and the probe's progress of a network not yet
+        # in use went with the controller's memory, and nothing of the user's ran: fence
+        # the epoch and place the gang again. (Its devices come down on the agents' side:
+        # an agent that dials in again drops a device no member of its uses, and a new
+        # epoch's device replaces an old one.)
+        cause = "the controller restarted while the gang's network was being set up"
+        _fence(turn, cause, [], "ControllerRestarted")
+        return
     if run.job_state in _BEFORE_RENDEZVOUS:
         turn.set_job(
             JobState.RENDEZVOUS, f"epoch {run.epoch}: waiting for node0 to publish its address"

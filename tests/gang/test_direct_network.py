@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from muster.gang import (
+    ControllerRestarted,
     GangRun,
     KeepApart,
+    MemberSnapshot,
     MemberStarted,
     NetPath,
     NetReady,
@@ -236,3 +238,31 @@ def test_path_reports_outside_a_running_direct_gang_are_ignored() -> None:
     assert step(placed(), NetPath(0, (1,)), 1)[1] == ()  # nobody assigned yet
     run, _ = step(GangRun(), Placed("job1", 1, W, PathClass.PRIVATE), 0)
     assert step(run, NetPath(0, (1,)), 1)[1] == ()
+
+
+def test_a_controller_restart_mid_network_fences_the_epoch_and_queues_the_job_again() -> None:
+    """The join keys, mesh addresses and probe went with the controller's memory; nothing
+    of the user's ran, so the epoch is fenced and the gang placed again (not failed)."""
+    restored = GangRun.restore(
+        "job1",
+        2,
+        PathClass.DIRECT,
+        J.NETWORKING,
+        [MemberSnapshot(w, M.PENDING) for w in W],
+    )
+    run, actions = step(restored, ControllerRestarted(grace_deadline=30.0), 0)
+    assert run.fenced
+    assert run.settled
+    state = actions[-1]
+    assert isinstance(state, SetJobState)
+    assert state.state is J.QUEUED
+    assert state.reason == (
+        "epoch 2 fenced: the controller restarted while the gang's network was being set up; "
+        "placing the gang again"
+    )
+    assert [a.worker for a in actions if isinstance(a, ReleaseWorker)] == list(W)
+    # A private gang caught mid-probe is probed again in its next epoch, too.
+    private = GangRun.restore(
+        "job1", 1, PathClass.PRIVATE, J.NETWORKING, [MemberSnapshot(w, M.PENDING) for w in W]
+    )
+    assert step(private, ControllerRestarted(grace_deadline=30.0), 0)[0].fenced
