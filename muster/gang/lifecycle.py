@@ -620,7 +620,12 @@ def _link_lost(turn: _Turn, event: LinkLost) -> None:
     turn.set_member(node, MemberState.LOST)
     if not member.assigned:
         turn.release(node)
-    if not over:
+    if not over and len(turn.run.members) > 1 and not any(m.assigned for m in turn.run.members):
+        # Before any rank started nothing of the user's is lost: place the gang again (the
+        # lost worker is offline, so the next gang is formed without it).
+        cause = f"{who} before any rank started: {event.why}"
+        _fence(turn, cause, [], "MemberLost", network=False)
+    elif not over:
         _fail(turn, JobState.FAILED, f"{who}: {event.why}")
 
 
@@ -767,7 +772,7 @@ def _restarted(turn: _Turn, event: ControllerRestarted) -> None:
         # an agent that dials in again drops a device no member of its uses, and a new
         # epoch's device replaces an old one.)
         cause = "the controller restarted while the gang's network was being set up"
-        _fence(turn, cause, [], "ControllerRestarted")
+        _fence(turn, cause, [], "ControllerRestarted", network=False)
         return
     if run.job_state in _BEFORE_RENDEZVOUS:
         turn.set_job(
@@ -801,7 +806,9 @@ def _with_everyone(run: GangRun, node: int) -> list[tuple[int, int]]:
     return [(node, m.node) for m in run.members if m.node != node]
 
 
-def _fence(turn: _Turn, cause: str, pairs: list[tuple[int, int]], reason: str) -> None:
+def _fence(
+    turn: _Turn, cause: str, pairs: list[tuple[int, int]], reason: str, *, network: bool = True
+) -> None:
     """This epoch's network failed before any rank started: fence the epoch (every device
     and probe endpoint comes down, the workers go back) and queue the job again, with the
     failed pairs kept apart on this path. Not billed: nothing of the user's ran. After
@@ -810,7 +817,8 @@ def _fence(turn: _Turn, cause: str, pairs: list[tuple[int, int]], reason: str) -
     if run.is_over:
         return
     path = run.path or PathClass.PRIVATE
-    turn.emit(SetCondition("NetworkQualified", False, reason, cause))
+    if network:  # (not for a lost member or a restart: the network was not found wanting)
+        turn.emit(SetCondition("NetworkQualified", False, reason, cause))
     if run.epoch >= MAX_NETWORK_EPOCHS or any(m.assigned for m in run.members):
         _fail(turn, JobState.FAILED, f"{cause} (epoch {run.epoch}; not placed again)")
         return

@@ -8,6 +8,8 @@ Phases of a gang run (the job state, with the rendezvous split where gating need
                                                      first failure, loss, timeout   │
                                                      ──► failed       Cancel ──► cancelled
                                  every member exited 0 and its outputs stored ──► succeeded
+    rendezvous (networking included: no member assigned yet) ─network failed, or a
+                           member lost ─► fenced (the job is queued for its next epoch)
 
 A terminal run still tracks its members until each worker is released (``settled``).
 """
@@ -30,23 +32,27 @@ class GangPhase(str, Enum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"
+    FENCED = "fenced"  # the epoch ended before any rank started; the job is queued again
 
     @property
     def is_terminal(self) -> bool:
         return self in GANG_TERMINAL
 
 
-GANG_TERMINAL = frozenset({GangPhase.SUCCEEDED, GangPhase.FAILED, GangPhase.CANCELLED})
+GANG_TERMINAL = frozenset(
+    {GangPhase.SUCCEEDED, GangPhase.FAILED, GangPhase.CANCELLED, GangPhase.FENCED}
+)
 
 _P = GangPhase
 GANG_TRANSITIONS: dict[GangPhase, frozenset[GangPhase]] = {
     _P.UNPLACED: frozenset({_P.RENDEZVOUS}),
-    _P.RENDEZVOUS: frozenset({_P.STARTING, _P.FAILED, _P.CANCELLED}),
+    _P.RENDEZVOUS: frozenset({_P.STARTING, _P.FAILED, _P.CANCELLED, _P.FENCED}),
     _P.STARTING: frozenset({_P.RUNNING, _P.FAILED, _P.CANCELLED}),
     _P.RUNNING: frozenset({_P.SUCCEEDED, _P.FAILED, _P.CANCELLED}),
     _P.SUCCEEDED: frozenset(),
     _P.FAILED: frozenset(),
     _P.CANCELLED: frozenset(),
+    _P.FENCED: frozenset(),
 }
 
 _PHASE_OF_TERMINAL = {
@@ -193,6 +199,8 @@ class GangRun:
     def phase(self) -> GangPhase:
         if not self.members:
             return GangPhase.UNPLACED
+        if self.fenced:
+            return GangPhase.FENCED
         if self.job_state in _PHASE_OF_TERMINAL:
             return _PHASE_OF_TERMINAL[self.job_state]
         if self.job_state is JobState.RUNNING:

@@ -28,6 +28,7 @@ from muster.gang import (
     SendAssign,
     SendPrepareRendezvous,
     SendStop,
+    SetCondition,
     SetJobState,
     SetMemberState,
     SetRendezvous,
@@ -98,6 +99,10 @@ def stop(cause: str, *nodes: int) -> list[Action]:
 TIMEOUT = "timed out after 60s (spec.timeout)"
 USER = "cancelled by the user"
 LOST_W1 = "node1 (worker w1) was lost: no heartbeat for 30s"
+FENCED_LOST_W1 = (
+    "epoch 1 fenced: node1 (worker w1) was lost before any rank started: no heartbeat for "
+    "30s; placing the gang again"
+)
 ALIVE_W2 = LinkBack("w2", (MemberReport("job1", 1, 2),))
 GRACE = ControllerRestarted(grace_deadline=30.0)
 
@@ -154,14 +159,20 @@ CASES = [
         RENDEZVOUS,
         LinkLost("w1", "no heartbeat for 30s"),
         0,
-        P.FAILED,
+        P.FENCED,
         [
             SetMemberState(1, M.LOST),
             ReleaseWorker("w1"),
-            SetJobState(J.FAILED, LOST_W1),
+            SetCondition("GangReady", False, "MemberLost", FENCED_LOST_W1),
+            RecordEvent(
+                "EpochFenced",
+                FENCED_LOST_W1,
+                {"epoch": 1, "path": "private", "reason": "MemberLost", "apart": []},
+            ),
             *cancel_unassigned(0, 2),
+            SetJobState(J.QUEUED, FENCED_LOST_W1),
         ],
-        id="rendezvous-member-lost",
+        id="rendezvous-member-lost-placed-again",
     ),
     pytest.param(
         RENDEZVOUS,
