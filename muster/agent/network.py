@@ -206,8 +206,12 @@ class GangNetwork:
                     )
                 else:
                     log.info("job %s: every peer is heard again", owner[0])
+                try:
+                    await self.send(Kind.NET_PATH, {**ids, "lost": lost})
+                except Exception as exc:  # no link now: said again on the next look
+                    log.warning("job %s: NET_PATH not sent: %s", owner[0], exc)
+                    continue
                 reported = lost
-                await self.send(Kind.NET_PATH, {**ids, "lost": lost})
 
     # ---- the rendezvous port's rules ------------------------------------------------------
 

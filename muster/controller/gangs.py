@@ -308,7 +308,11 @@ class Controller:
         kept[path] = kept.get(path, frozenset()) | {frozenset(pair) for pair in pairs}
 
     def _flushed(self, writes: Sequence[Write]) -> None:
-        """After a commit: a worker freed or a job ended is room for the queue."""
+        """After a commit: a worker freed or a job ended is room for the queue (and an
+        ended job's kept-apart pairs are forgotten)."""
+        for w in writes:
+            if isinstance(w, JobStateWrite) and w.state.is_terminal:
+                self._apart.pop(w.job, None)
         if any(
             isinstance(w, ReleaseWrite) or (isinstance(w, JobStateWrite) and w.state.is_terminal)
             for w in writes
@@ -448,11 +452,10 @@ class Controller:
                         f"the stored spec no longer validates ({_first_line(exc)}); "
                         "fix it and submit the job again",
                     )
+                    self._apart.pop(job_id, None)
                     continue
             jobs.append(QueuedJob(job_id, spec, seq, self._apart.get(job_id)))
         still = {job_id for job_id, _s, _b in queued}
-        for gone in self._apart.keys() - still - self.runs.keys():
-            del self._apart[gone]  # its job ended
         for gone in self._specs.keys() - still:
             del self._specs[gone]  # cancelled while queued
         for gone in self._why.keys() - still:
@@ -650,6 +653,10 @@ class Controller:
                 stale = {"job": job, "epoch": body.get("epoch"), "reason": "stale"}
                 await link.send(Kind.STOP, stale)
             elif kind is Kind.MEMBER_EXITED:
+                if entry is not None and entry.gang.node_of(link.worker_id) is not None:
+                    # A fenced epoch's member (never started) answering its STOP late: the
+                    # job's next epoch holds this worker now, and keeps it.
+                    return nothing
                 # The member of a run no longer tracked is gone: its worker is free.
                 return self.writer.submit([ReleaseWrite(link.worker_id, job)])
             return nothing
@@ -802,6 +809,7 @@ class Controller:
                 await self.db(
                     self.store.set_job_state, job_id, JobState.CANCELLED, "cancelled by the user"
                 )
+                self._apart.pop(job_id, None)
                 return
         await written  # the caller reads the job back: the cancel is on record first
 

@@ -8,8 +8,9 @@ Phases of a gang run (the job state, with the rendezvous split where gating need
                                                      first failure, loss, timeout   │
                                                      ──► failed       Cancel ──► cancelled
                                  every member exited 0 and its outputs stored ──► succeeded
-    rendezvous (networking included: no member assigned yet) ─network failed, or a
-                           member lost ─► fenced (the job is queued for its next epoch)
+    rendezvous (networking included) or starting, while no member is assigned yet
+                           ─network failed, or a member lost─► fenced (the job is queued
+                           for its next epoch)
 
 A terminal run still tracks its members until each worker is released (``settled``).
 """
@@ -47,7 +48,7 @@ _P = GangPhase
 GANG_TRANSITIONS: dict[GangPhase, frozenset[GangPhase]] = {
     _P.UNPLACED: frozenset({_P.RENDEZVOUS}),
     _P.RENDEZVOUS: frozenset({_P.STARTING, _P.FAILED, _P.CANCELLED, _P.FENCED}),
-    _P.STARTING: frozenset({_P.RUNNING, _P.FAILED, _P.CANCELLED}),
+    _P.STARTING: frozenset({_P.RUNNING, _P.FAILED, _P.CANCELLED, _P.FENCED}),
     _P.RUNNING: frozenset({_P.SUCCEEDED, _P.FAILED, _P.CANCELLED}),
     _P.SUCCEEDED: frozenset(),
     _P.FAILED: frozenset(),

@@ -332,18 +332,47 @@ def _pick_apart(
     exclude: frozenset[WorkerKind],
     pairs: frozenset[frozenset[str]],
 ) -> tuple[WorkerInventory, ...] | None:
-    """Like ``_pick``, but never two workers of one pair in ``pairs``: each worker in pick
-    order joins unless it would complete such a pair; None when too few remain."""
-    chosen: list[str] = []
-    for kind in group.kinds:
-        if kind in exclude:
+    """Like ``_pick``, but never both workers of a pair in ``pairs``: workers in no such pair
+    first (in pick order), then the fewest needed of the others, found by a bounded search
+    (fewest conflicts first); None when no such gang exists (or none was found in bounds)."""
+    order = [w for kind in group.kinds if kind not in exclude for w in pool.slots[kind].ids]
+    here = set(order)
+    conflicts: dict[str, set[str]] = {}
+    for pair in pairs:
+        if pair <= here and len(pair) == 2:
+            a, b = tuple(pair)
+            conflicts.setdefault(a, set()).add(b)
+            conflicts.setdefault(b, set()).add(a)
+    free = [w for w in order if w not in conflicts]
+    if len(free) >= need.workers:
+        chosen = free[: need.workers]
+    else:
+        rest = sorted(conflicts, key=lambda w: (len(conflicts[w]), order.index(w)))
+        found = _independent(rest, conflicts, need.workers - len(free))
+        if found is None:
+            return None
+        chosen = free + found
+    return tuple(pool.inventory[w] for w in sorted(chosen))
+
+
+APART_SEARCH_STEPS = 20_000  # a bound on the search for workers that are pairwise apart
+
+
+def _independent(nodes: list[str], conflicts: dict[str, set[str]], k: int) -> list[str] | None:
+    """``k`` of ``nodes`` no two of which conflict, or None (depth-first, bounded)."""
+    steps = 0
+    stack: list[tuple[int, list[str]]] = [(0, [])]
+    while stack:
+        i, chosen = stack.pop()
+        if len(chosen) == k:
+            return chosen
+        steps += 1
+        if steps > APART_SEARCH_STEPS or len(nodes) - i < k - len(chosen):
             continue
-        for wid in pool.slots[kind].ids:
-            if any(frozenset((wid, other)) in pairs for other in chosen):
-                continue
-            chosen.append(wid)
-            if len(chosen) == need.workers:
-                return tuple(pool.inventory[w] for w in sorted(chosen))
+        node = nodes[i]
+        stack.append((i + 1, chosen))  # without it (tried second)
+        if not conflicts[node].intersection(chosen):
+            stack.append((i + 1, [*chosen, node]))  # with it (tried first)
     return None
 
 

@@ -132,13 +132,14 @@ class JobRepository(Repository):
             return {str(state): int(n) for state, n in rows}
 
     def kept_apart(self) -> dict[str, list[tuple[str, str, str]]]:
-        """For each queued job, the (path, worker, worker) pairs its fenced epochs keep
-        apart (their EpochFenced events): what a restarted controller places by."""
+        """For each job not yet over, the (path, worker, worker) pairs its fenced epochs
+        keep apart (their EpochFenced events): what a restarted controller places by."""
+        over = [state.value for state in JobState if state.is_terminal]
         with self.db.read() as s:
             rows = s.execute(
                 select(Event.job_id, Event.data)
                 .join(Job, Job.id == Event.job_id)
-                .where(Event.kind == "EpochFenced", Job.state == JobState.QUEUED.value)
+                .where(Event.kind == "EpochFenced", Job.state.not_in(over))
                 .order_by(Event.id)
             ).all()
         found: dict[str, list[tuple[str, str, str]]] = {}

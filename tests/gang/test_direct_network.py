@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from muster.gang import (
+    Cancel,
     ControllerRestarted,
     GangRun,
     KeepApart,
@@ -96,8 +97,9 @@ def test_a_member_that_cannot_make_its_device_fences_the_epoch_and_every_device_
         assert SendStop(worker, cause) in actions  # the agent removes the device
     assert run.settled
     assert run.fenced
-    # The fenced epoch ignores what its members still say; a cancel has nothing to stop.
+    # The fenced epoch ignores what its members still say, and a cancel changes nothing.
     assert step(run, NetUp(0), 2)[1] == ()
+    assert step(run, Cancel("cancelled by the user"), 2)[1] == ()
 
 
 def test_in_the_last_network_epoch_a_failure_fails_the_job() -> None:

@@ -213,6 +213,19 @@ def test_a_direct_pair_kept_apart_is_split_or_waits_naming_it() -> None:
     assert auto.path is PathClass.RELAYED
 
 
+def test_a_worker_in_several_failed_pairs_is_left_out_not_its_peers() -> None:
+    """a failed with b and with c (a probe that timed out keeps its member apart from
+    everyone): the gang of three is b, c and d, not given up on."""
+    views = idle(worker("a"), worker("b"), worker("c"), worker("d"))
+    apart = {PathClass.DIRECT: frozenset({frozenset({"a", "b"}), frozenset({"a", "c"})})}
+    result = place_gang(parse_job(gang(3)), views, apart=apart)
+    assert isinstance(result, Placement)
+    assert result.worker_ids == ("b", "c", "d")
+    # Only when no three are pairwise apart does the job wait.
+    apart = {PathClass.DIRECT: frozenset({frozenset({"b", "c"}), frozenset({"a", "d"})})}
+    assert isinstance(place_gang(parse_job(gang(3)), views, apart=apart), Unplaceable)
+
+
 def test_single_worker_job_needs_no_address_or_network() -> None:
     result = placed(
         {"name": "one", "entrypoint": "t.py"},
