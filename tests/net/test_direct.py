@@ -3,6 +3,8 @@ network) build a WireGuard mesh with wireguard-go, and a 2x2 gloo job runs over 
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -263,7 +265,7 @@ def test_a_running_pair_that_loses_its_path_marks_the_job_degraded_until_it_is_b
             job = rig.api("job", job_id)
             if check(job):
                 return job
-            assert job["state"] not in ("succeeded", "failed", "cancelled"), job
+            assert job["state"] not in ("succeeded", "failed", "cancelled"), job["events"]
             assert time.monotonic() < deadline, f"{what}: {job['conditions']} {job['events']}"
             time.sleep(0.5)
 
@@ -302,3 +304,86 @@ def test_a_running_pair_that_loses_its_path_marks_the_job_degraded_until_it_is_b
     assert job["state"] == "succeeded", (job["root_cause"], job["events"])
     kinds = [e["kind"] for e in job["events"]]
     assert kinds.index("NetworkDegraded") < kinds.index("NetworkRestored")
+
+
+def test_a_member_left_behind_on_a_fenced_epoch_cannot_reach_the_next_one(
+    rig: Rig, tmp_path: Path
+) -> None:
+    """h2's agent freezes while its epoch's network is up: the controller loses it, fences
+    the epoch and places the gang again on h1 and h3 with fresh keys. h2's device, left
+    behind, still holds the old epoch's peer; aimed even at h1's new endpoint, its packets
+    arrive at h1 (counted) and none is delivered: h1's device knows only the new keys."""
+    needs("wg", "wireguard-go", "nft")
+    h1, h2, h3 = rig.two_regions(3)
+    ctl = rig.hosts["ctl"]
+    rig.start_controller(ctl, "--heartbeat-timeout", "4", "--heartbeat-interval", "1")
+    agents = {host.name: rig.start_agent(host) for host in (h1, h2, h3)}
+    rig.wait_for_workers(["h1", "h2", "h3"])
+
+    job_dir = tmp_path / "fenced"
+    job_dir.mkdir()
+    (job_dir / "train.py").write_text(
+        "import time, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "time.sleep(20)\n"
+        "dist.barrier()\n"
+    )
+    (job_dir / "job.yaml").write_text(
+        "name: fenced\nentrypoint: train.py\ntimeout: 5m\n"
+        "distributed: {num_workers: 2, procs_per_worker: 1, backend: gloo, "
+        "probe_seconds: 10}\n"
+    )
+    job_id = rig.muster(ctl, "submit", str(job_dir / "job.yaml")).strip()
+    deadline = time.monotonic() + 90
+    while not rig.run(h2, "wg", "show", "muster0", "peers", check=False).stdout.strip():
+        assert time.monotonic() < deadline, rig.api("job", job_id)["events"]
+        time.sleep(0.1)
+    old_peer = rig.run(h2, "wg", "show", "muster0", "peers").stdout.split()[0]
+    os.kill(agents["h2"].pid, signal.SIGSTOP)  # wireguard-go (its own process) runs on
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            job = rig.api("job", job_id)
+            placed = [e["data"] for e in job["events"] if e["kind"] == "Placed"]
+            ready = [
+                e
+                for e in job["events"]
+                if e["kind"] == "NetworkReady" and e["data"].get("epoch") == 2
+            ]
+            if len(placed) == 2 and ready:
+                break
+            assert job["state"] not in ("succeeded", "failed", "cancelled"), job["events"]
+            assert time.monotonic() < deadline, job["events"]
+            time.sleep(0.5)
+        assert placed[1]["workers"] == ["h1", "h3"]
+        fenced = next(e for e in job["events"] if e["kind"] == "EpochFenced")
+        assert "node1 (worker h2) was lost before any rank started" in fenced["message"]
+        # h1's new device: a new key, and only h3 as its peer.
+        new_peers = rig.run(h1, "wg", "show", "muster0", "peers").stdout.split()
+        assert len(new_peers) == 1
+        assert old_peer not in new_peers
+        new_port = rig.run(h1, "wg", "show", "muster0", "listen-port").stdout.strip()
+        # Aim h2's stale peer at h1's new endpoint, and count what reaches h1 from h2.
+        rig.nft(
+            h1,
+            "table ip rig_count {\n"
+            "  chain input { type filter hook input priority -20; "
+            f"ip saddr {h2.address} udp dport {new_port} counter; }}\n"
+            "}\n",
+        )
+        rig.run(
+            h2, "wg", "set", "muster0", "peer", old_peer, "endpoint", f"{h1.address}:{new_port}"
+        )
+        ping = rig.run(h2, "ping", "-c", "3", "-W", "1", "-I", "muster0", "100.64.0.1", check=False)
+        assert ping.returncode != 0
+        assert " 0 received" in ping.stdout, ping.stdout
+        counted = rig.run(h1, "nft", "list", "table", "ip", "rig_count").stdout
+        packets = int(counted.split("counter packets ")[1].split()[0])
+        assert packets > 0, counted  # they arrived...
+        assert rig.run(h1, "wg", "show", "muster0", "peers").stdout.split() == new_peers
+        transfer = rig.run(h1, "wg", "show", "muster0", "transfer").stdout
+        assert old_peer not in transfer  # ...and none was taken in
+    finally:
+        os.kill(agents["h2"].pid, signal.SIGCONT)
+    job = rig.wait_done(job_id, timeout=180)
+    assert job["state"] == "succeeded", (job["root_cause"], job["events"])
