@@ -301,6 +301,7 @@ class Agent:
             self.link_up.set()
             # A gang network no member here uses ended while this agent was away.
             self._in_background(self.network.keep_only(set(self.members)))
+            self.network.relinked()
             # Beat and read from the first moment: the set-up below may take a while.
             tasks = [asyncio.create_task(self._heartbeats())]
             tasks.append(asyncio.create_task(self._after_welcome(tasks)))

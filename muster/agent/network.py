@@ -58,6 +58,8 @@ class GangNetwork:
         self.closed = False  # the agent is stopping: no device is made any more
         self.listener = ProbeListener()
         self.peer_keys: dict[str, str] = {}  # mesh address -> public key (NET_PEERS)
+        self.links = 0  # control links so far (relinked)
+        self._rules = asyncio.Lock()  # one rule change at a time
         self.probe_job: tuple[str, object] | None = None  # (job, epoch) whose endpoint is open
 
     async def setup(self, body: dict[str, Any]) -> None:
@@ -175,7 +177,8 @@ class GangNetwork:
         and the watch goes on."""
         owner = (str(ids["job"]), ids["epoch"])
         heard: dict[str, tuple[int, float]] = {}  # public key -> (bytes received, when it grew)
-        reported: list[str] = []
+        reported: list[str] | None = None  # None: to be said (again) on the current link
+        link = self.links
         failures = 0
         every = min(PATH_WATCH_EVERY_S, self.path_timeout / 4)
         while True:
@@ -199,19 +202,23 @@ class GangNetwork:
                 elif now - before[1] >= self.path_timeout:
                     lost.append(address)
             lost.sort()
-            if lost != reported:
-                if lost:
-                    log.warning(
-                        "job %s: nothing from %s for %.0fs", owner[0], lost, self.path_timeout
-                    )
-                else:
-                    log.info("job %s: every peer is heard again", owner[0])
+            if link != self.links:  # a new link (a restarted controller knows nothing yet)
+                link, reported = self.links, None
+            if lost != (reported or []) or (reported is None and link > 0):
+                if lost != (reported or []):
+                    if lost:
+                        log.warning(
+                            "job %s: nothing from %s for %.0fs", owner[0], lost, self.path_timeout
+                        )
+                    else:
+                        log.info("job %s: every peer is heard again", owner[0])
                 try:
-                    await self.send(Kind.NET_PATH, {**ids, "lost": lost})
-                except Exception as exc:  # no link now: said again on the next look
+                    sent = await self.send(Kind.NET_PATH, {**ids, "lost": lost})
+                except Exception as exc:
                     log.warning("job %s: NET_PATH not sent: %s", owner[0], exc)
-                    continue
-                reported = lost
+                    sent = False
+                if sent is not False:  # (no link now: said again on the next look)
+                    reported = lost
 
     # ---- the rendezvous port's rules ------------------------------------------------------
 
@@ -219,9 +226,11 @@ class GangNetwork:
         """Remove every rule of this agent (a crashed run's too); never raises."""
         self.no_rules = await asyncio.to_thread(firewall.unavailable)
         if self.no_rules is not None:
-            return  # said when a gang would need rules (never for gangs on one host)
+            return  # said when a gang would need rules (never for gangs on loopback)
         try:
-            if await asyncio.to_thread(self.firewall.sweep):
+            async with self._rules:
+                swept = await asyncio.to_thread(self.firewall.sweep)
+            if swept:
                 log.info("removed the firewall rules of an earlier run (%s)", self.firewall.table)
         except Exception:
             log.exception("sweeping the firewall table %s", self.firewall.table)
@@ -247,7 +256,8 @@ class GangNetwork:
             )
             return
         try:
-            await asyncio.to_thread(self.firewall.open, job, epoch, port, addresses)
+            async with self._rules:
+                await asyncio.to_thread(self.firewall.open, job, epoch, port, addresses)
         except Exception as exc:  # the job still runs; the port is open as without rules
             log.warning("job %s: could not close port %d to non-members: %s", job, port, exc)
             return
@@ -262,7 +272,8 @@ class GangNetwork:
         if job not in self.firewall.gangs:
             return
         try:
-            await asyncio.to_thread(self.firewall.close, job)
+            async with self._rules:
+                await asyncio.to_thread(self.firewall.close, job)
         except Exception:
             log.exception("job %s: removing its rules", job)
 
@@ -329,6 +340,10 @@ class GangNetwork:
             return
         await self.listener.close()
         self.probe_job = None
+
+    def relinked(self) -> None:
+        """A new control link is up: running members say their paths again on it."""
+        self.links += 1
 
     async def keep_only(self, jobs: set[str]) -> None:
         """A new link: drop a device that no member here uses (its gang ended, or the

@@ -97,5 +97,11 @@ def agent(
         path_timeout=path_timeout,
     )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if path_timeout < 30:
+        logging.getLogger("muster.agent").warning(
+            "--path-timeout %.0f is under two keepalives (25 s each): an idle direct tunnel "
+            "will read as a lost path",
+            path_timeout,
+        )
     remove_stale_job_dirs(config.work_dir, keep_for)  # nothing runs here yet
     raise typer.Exit(asyncio.run(Agent(config).run()))

@@ -446,27 +446,38 @@ def _net_path(turn: _Turn, event: NetPath) -> None:
     if member is None or run.is_over or run.path is not PathClass.DIRECT or not member.assigned:
         return
     lost = tuple(sorted({n for n in event.lost if n != member.node and turn.member(n)}))
-    if lost == member.lost_peers:
+    if lost == member.lost_peers and run.degraded is not None:
         return
     turn.update(member.node, lost_peers=lost)
-    silent = [m for m in turn.run.members if m.lost_peers]
+    _degraded(turn, member.node)
+
+
+def _degraded(turn: _Turn, node: int) -> None:
+    """Set NetworkDegraded from the members' lost peers, when the gang's answer changes. A
+    member that is gone (its device went with it) is neither silent nor missed."""
+    run = turn.run
+    gone = {m.node for m in run.members if m.gone}
+    silent = [
+        (m, [n for n in m.lost_peers if n not in gone])
+        for m in run.members
+        if not m.gone and any(n not in gone for n in m.lost_peers)
+    ]
     if silent:
         message = f"epoch {run.epoch}: " + "; ".join(
             f"node{m.node} (worker {m.worker}) hears nothing from "
-            + ", ".join(f"node{n}" for n in m.lost_peers)
-            for m in silent
+            + ", ".join(f"node{n}" for n in peers)
+            for m, peers in silent
         )
         turn.emit(
             SetCondition("NetworkDegraded", True, "DirectPathLost", message),
-            RecordEvent("NetworkDegraded", message, {"epoch": run.epoch, "node": member.node}),
+            RecordEvent("NetworkDegraded", message, {"epoch": run.epoch, "node": node}),
         )
         turn.run = replace(turn.run, degraded=True)
-    elif run.degraded:
+    elif run.degraded is not False:  # True, or unknown after a restart
         message = f"epoch {run.epoch}: every pair hears each other again"
-        turn.emit(
-            SetCondition("NetworkDegraded", False, "DirectPathRestored", message),
-            RecordEvent("NetworkRestored", message, {"epoch": run.epoch, "node": member.node}),
-        )
+        turn.emit(SetCondition("NetworkDegraded", False, "DirectPathRestored", message))
+        if run.degraded:
+            turn.emit(RecordEvent("NetworkRestored", message, {"epoch": run.epoch, "node": node}))
         turn.run = replace(turn.run, degraded=False)
 
 
@@ -569,6 +580,8 @@ def _member_exited(turn: _Turn, event: MemberExited) -> None:
     if code != 0 and not over:
         _fail(turn, JobState.FAILED, root_cause(node, member.worker, event))
     else:
+        if turn.run.degraded and not turn.run.is_over:
+            _degraded(turn, node)  # its device went with it: nobody misses it any more
         _maybe_succeed(turn)
 
 
@@ -746,12 +759,14 @@ def _tick(turn: _Turn) -> None:
     if late and not turn.run.is_over:
         first = late[0]
         more = f" (nor did {len(late) - 1} more)" if len(late) > 1 else ""
-        _fail(
-            turn,
-            JobState.FAILED,
+        cause = (
             f"node{first.node} (worker {first.worker}) did not dial back within the grace "
-            f"after the controller restarted{more}",
+            f"after the controller restarted{more}"
         )
+        if len(turn.run.members) > 1 and not any(m.assigned for m in turn.run.members):
+            _fence(turn, cause, [], "MemberLost", network=False)  # nothing of the user's ran
+        else:
+            _fail(turn, JobState.FAILED, cause)
 
 
 def _restarted(turn: _Turn, event: ControllerRestarted) -> None:
@@ -778,6 +793,11 @@ def _restarted(turn: _Turn, event: ControllerRestarted) -> None:
         turn.set_job(
             JobState.RENDEZVOUS, f"epoch {run.epoch}: waiting for node0 to publish its address"
         )
+    if run.path is PathClass.DIRECT and len(run.members) > 1 and not run.is_over:
+        # Whether a pair had lost its path went with the controller's memory: the agents
+        # say their paths again on their new links, and the condition follows.
+        turn.run = replace(turn.run, degraded=None)
+        run = turn.run
     waiting = []
     for member in run.members:
         if member.released:

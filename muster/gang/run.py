@@ -125,7 +125,9 @@ class GangRun:
     probe_round: int = -1  # the round of disjoint pairs under way (lifecycle.probe_rounds)
     probe_pending: frozenset[int] = frozenset()  # nodes whose PROBE_DONE of it is awaited
     fenced: bool = False  # the epoch ended before any rank started; the job is queued again
-    degraded: bool = False  # NetworkDegraded is true: some running pair lost its direct path
+    # NetworkDegraded: some running pair lost its direct path (None: not known, after a
+    # controller restart, until the agents say their paths again)
+    degraded: bool | None = False
 
     @classmethod
     def placed(

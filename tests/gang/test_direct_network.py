@@ -7,6 +7,8 @@ from muster.gang import (
     ControllerRestarted,
     GangRun,
     KeepApart,
+    LinkBack,
+    MemberExited,
     MemberSnapshot,
     MemberStarted,
     NetPath,
@@ -268,3 +270,57 @@ def test_a_controller_restart_mid_network_fences_the_epoch_and_queues_the_job_ag
         "job1", 1, PathClass.PRIVATE, J.NETWORKING, [MemberSnapshot(w, M.PENDING) for w in W]
     )
     assert step(private, ControllerRestarted(grace_deadline=30.0), 0)[0].fenced
+
+
+def test_a_peer_that_finished_is_not_missed_and_its_exit_clears_what_it_missed() -> None:
+    run = running()
+    run, _ = step(run, MemberExited(1, 0), 4)  # node1 done: its device went with it
+    _, actions = step(run, NetPath(0, (1,)), 70)
+    assert actions == ()  # not a lost path: a finished peer
+    run, actions = step(run, NetPath(2, (0,)), 70)
+    assert actions[0].status is True  # type: ignore[union-attr]
+    run, actions = step(run, MemberExited(2, 0), 71)
+    assert (
+        SetCondition(
+            "NetworkDegraded",
+            False,
+            "DirectPathRestored",
+            "epoch 1: every pair hears each other again",
+        )
+        in actions
+    )
+
+
+def test_after_a_controller_restart_the_agents_first_path_report_sets_the_condition() -> None:
+    """Whether a pair was degraded went with the controller's memory; the agents say their
+    paths again on their new links, and an all-clear clears a condition left true."""
+    restored = GangRun.restore(
+        "job1",
+        1,
+        PathClass.DIRECT,
+        J.RUNNING,
+        [MemberSnapshot(w, M.RUNNING) for w in W],
+        published=("100.64.0.1", 29500),
+    )
+    run, _ = step(restored, ControllerRestarted(grace_deadline=30.0), 0)
+    assert run.degraded is None
+    run, actions = step(run, NetPath(0, ()), 1)
+    assert actions[0] == SetCondition(
+        "NetworkDegraded", False, "DirectPathRestored", "epoch 1: every pair hears each other again"
+    )
+    assert step(run, NetPath(1, ()), 1)[1] == ()  # known now: nothing to say
+
+
+def test_a_member_that_does_not_dial_back_before_anything_started_fences_the_epoch() -> None:
+    restored = GangRun.restore(
+        "job1", 1, PathClass.PRIVATE, J.RENDEZVOUS, [MemberSnapshot(w, M.PENDING) for w in W]
+    )
+    run, _ = step(restored, ControllerRestarted(grace_deadline=30.0), 0)
+    for w in W[:2]:
+        run, _ = step(run, LinkBack(w, ()), 1)
+    run, actions = step(run, Tick(), 31)
+    assert run.fenced
+    state = actions[-1]
+    assert isinstance(state, SetJobState)
+    assert state.state is J.QUEUED
+    assert "node2 (worker w2) did not dial back within the grace" in state.reason

@@ -339,6 +339,9 @@ def test_a_member_left_behind_on_a_fenced_epoch_cannot_reach_the_next_one(
         assert time.monotonic() < deadline, rig.api("job", job_id)["events"]
         time.sleep(0.1)
     old_peer = rig.run(h2, "wg", "show", "muster0", "peers").stdout.split()[0]
+    h1_old_key = rig.run(h1, "wg", "show", "muster0", "public-key").stdout.strip()
+    h2_key = rig.run(h2, "wg", "show", "muster0", "public-key").stdout.strip()
+    assert old_peer == h1_old_key
     os.kill(agents["h2"].pid, signal.SIGSTOP)  # wireguard-go (its own process) runs on
     try:
         deadline = time.monotonic() + 120
@@ -358,10 +361,11 @@ def test_a_member_left_behind_on_a_fenced_epoch_cannot_reach_the_next_one(
         assert placed[1]["workers"] == ["h1", "h3"]
         fenced = next(e for e in job["events"] if e["kind"] == "EpochFenced")
         assert "node1 (worker h2) was lost before any rank started" in fenced["message"]
-        # h1's new device: a new key, and only h3 as its peer.
+        # h1's new device: a new key pair, and only h3 as its peer (not h2's key).
+        assert rig.run(h1, "wg", "show", "muster0", "public-key").stdout.strip() != h1_old_key
         new_peers = rig.run(h1, "wg", "show", "muster0", "peers").stdout.split()
         assert len(new_peers) == 1
-        assert old_peer not in new_peers
+        assert h2_key not in new_peers
         new_port = rig.run(h1, "wg", "show", "muster0", "listen-port").stdout.strip()
         # Aim h2's stale peer at h1's new endpoint, and count what reaches h1 from h2.
         rig.nft(
@@ -382,7 +386,7 @@ def test_a_member_left_behind_on_a_fenced_epoch_cannot_reach_the_next_one(
         assert packets > 0, counted  # they arrived...
         assert rig.run(h1, "wg", "show", "muster0", "peers").stdout.split() == new_peers
         transfer = rig.run(h1, "wg", "show", "muster0", "transfer").stdout
-        assert old_peer not in transfer  # ...and none was taken in
+        assert h2_key not in transfer  # ...and none was taken in
     finally:
         os.kill(agents["h2"].pid, signal.SIGCONT)
     job = rig.wait_done(job_id, timeout=180)
