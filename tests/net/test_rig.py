@@ -184,6 +184,7 @@ time.sleep(float(os.environ.get("HOLD_S", "12")))
 dist.barrier()
 print("held ok", flush=True)
 dist.destroy_process_group()
+os._exit(0)  # not the interpreter's teardown: gloo sometimes aborts there (torch#190489)
 """
 
 CONNECT = """
