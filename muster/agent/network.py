@@ -238,14 +238,23 @@ class GangNetwork:
     async def guard(self, assignment: dict[str, Any]) -> None:
         """Node 0 of a gang across hosts: its rendezvous port takes TCP from members only."""
         addresses = [str(a) for a in assignment.get("addresses") or ()]
-        if (
-            assignment.get("node_rank") != 0
-            or len(addresses) < 2
-            or all(ipaddress.ip_address(a).is_loopback for a in addresses)
-        ):
+        if assignment.get("node_rank") != 0 or len(addresses) < 2:
             return
         job, epoch = str(assignment["job"]), int(assignment["epoch"])
         port = int(assignment["master_port"])
+        try:
+            ips = [ipaddress.ip_address(a) for a in addresses]
+        except ValueError:  # a host name advertised: rules need addresses
+            log.warning(
+                "job %s: a member's address is not an IP address (%s): rendezvous port %d "
+                "stays open to anyone who reaches this host",
+                job,
+                ", ".join(addresses),
+                port,
+            )
+            return
+        if all(ip.is_loopback for ip in ips):
+            return
         if self.no_rules is not None:
             log.warning(
                 "job %s: no firewall rules on this host (%s): rendezvous port %d stays open "

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from pathlib import Path
 
+from muster.agent.network import GangNetwork
 from muster.net.probe import ProbeListener, measure, probe_peers
 
 
@@ -93,5 +95,31 @@ def test_an_endpoint_answers_only_connections_that_bring_the_epochs_token() -> N
             assert member.gbps is not None
         finally:
             await listener.close()
+
+    asyncio.run(scenario())
+
+
+def test_rules_are_skipped_not_fatal_for_a_member_advertised_by_host_name(
+    tmp_path: Path,
+) -> None:
+    """Node 0's rendezvous rules need IP addresses; a gang advertised by host name runs
+    without them (the agent says so) instead of failing its member."""
+
+    async def scenario() -> None:
+        async def send(_kind: object, _body: object) -> bool:
+            return True
+
+        network = GangNetwork(send, tmp_path, None, "w0")  # type: ignore[arg-type]
+        network.no_rules = None
+        await network.guard(
+            {
+                "job": "j",
+                "epoch": 1,
+                "node_rank": 0,
+                "master_port": 29500,
+                "addresses": ["node-a.example", "node-b.example"],
+            }
+        )
+        assert network.firewall.gangs == {}
 
     asyncio.run(scenario())
