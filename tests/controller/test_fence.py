@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any
 
 from muster.controller.auth import Tickets
 from muster.controller.gangs import Controller
@@ -13,20 +12,9 @@ from muster.controller.metrics import Metrics
 from muster.spec import NetworkCaps, PathClass, WorkerInventory
 from muster.store import Store, open_store
 from muster.wire import Kind
+from tests.fakes.link import FakeLink
 
 WORKERS = ("w0", "w1", "w2")
-
-
-class _Link:
-    """A worker's control link at the seam: what the controller sends it."""
-
-    def __init__(self, worker_id: str) -> None:
-        self.worker_id = worker_id
-        self.sent: list[tuple[Kind, dict[str, Any]]] = []
-
-    async def send(self, kind: Kind, body: dict[str, Any]) -> bool:
-        self.sent.append((kind, body))
-        return True
 
 
 def _store(tmp_path: Path) -> Store:
@@ -62,7 +50,7 @@ def test_a_fence_keeps_its_pairs_apart_and_a_late_answer_frees_nothing(tmp_path:
 
     async def scenario() -> tuple[list[str], dict[str, str], dict[str, str]]:
         controller = Controller(store, Metrics(), 15.0, Tickets())
-        links = {w: _Link(w) for w in WORKERS}
+        links = {w: FakeLink(w) for w in WORKERS}
         controller.links.update(links)  # type: ignore[arg-type]
         writer = asyncio.create_task(controller.writer.run())
         await controller.scheduler_pass()  # epoch 1: w0 and w1, direct

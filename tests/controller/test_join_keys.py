@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any
 
 from muster.controller.auth import Tickets
 from muster.controller.gangs import Controller
@@ -14,6 +13,7 @@ from muster.gang import GangRun, Placed
 from muster.spec import JobSpec, NetworkCaps, PathClass, WorkerInventory
 from muster.store import open_store
 from muster.wire import Kind
+from tests.fakes.link import FakeLink
 
 
 def test_a_key_joins_once_within_its_time_and_is_refused_by_name_after() -> None:
@@ -48,18 +48,6 @@ def test_a_key_issued_again_replaces_the_old_one() -> None:
     assert keys.redeem(0, new, now=11.0) is None
 
 
-class _Link:
-    """A worker's control link at the seam: what the controller sends it."""
-
-    def __init__(self, worker_id: str) -> None:
-        self.worker_id = worker_id
-        self.sent: list[tuple[Kind, dict[str, Any]]] = []
-
-    async def send(self, kind: Kind, body: dict[str, Any]) -> bool:
-        self.sent.append((kind, body))
-        return True
-
-
 def test_a_reused_or_forged_join_key_is_refused_by_name_and_changes_nothing(
     tmp_path: Path,
 ) -> None:
@@ -85,10 +73,10 @@ def test_a_reused_or_forged_join_key_is_refused_by_name_and_changes_nothing(
     )
     store.reserve_placement(job.id, ["w0", "w1"], "direct")
 
-    async def scenario() -> tuple[RunEntry, list[str], dict[str, _Link]]:
+    async def scenario() -> tuple[RunEntry, list[str], dict[str, FakeLink]]:
         controller = Controller(store, Metrics(), 15.0, Tickets())
         writer = asyncio.create_task(controller.writer.run())
-        links = {w: _Link(w) for w in ("w0", "w1")}
+        links = {w: FakeLink(w) for w in ("w0", "w1")}
         controller.links.update(links)  # type: ignore[arg-type]
         spec = JobSpec.model_validate(store.job(job.id).spec, strict=False)
         views = {v.inventory.id: v.inventory for v in store.workers()}
