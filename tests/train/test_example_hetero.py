@@ -24,7 +24,9 @@ def test_the_hetero_example_trains_under_torchrun(
     losses = [e["held_out_loss"] for e in result["epochs"]]
     assert losses[-1] < losses[0]
     assert (tmp_path / "model.pt").stat().st_size > 0
-    # The fast rank ranged ahead of the slowed one.
+    # The fast rank ranged ahead of the slowed one (in lockstep both would run the same count).
+    # With k=3 it runs about 3x the batches alone; two ranks sharing a busy 2-core runner have
+    # been measured as low as 1.9x, so the bound leaves room for the noise, not for lockstep.
     # Both ranks share torchrun's stdout, so a line may arrive glued to another rank's.
     ran = {int(r): int(n) for r, n in re.findall(r"rank (\d+) ran (\d+) batches", out)}
-    assert ran[0] > 2 * ran[1], ran
+    assert ran[0] > 1.5 * ran[1], ran
