@@ -7,8 +7,14 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
+from hypothesis import settings
 
 from tests.pg import PostgresServer, start_postgres
+
+# No per-example deadline: an example that takes 2 ms idle can take 300 ms on a busy CI
+# runner, and Hypothesis would fail it as "unreliable timings". Tests that need a bound say so.
+settings.register_profile("muster", deadline=None)
+settings.load_profile("muster")
 
 
 @pytest.fixture(scope="session")

@@ -92,26 +92,29 @@ def start_postgres() -> tuple[PostgresServer | None, str]:
     )
     if init.returncode != 0:
         return None, f"initdb failed: {init.stderr.strip()[-500:]}"
-    options = f"-p {server.port} -k {datadir} -c listen_addresses=127.0.0.1 -c fsync=off"
-    start = _run(
-        server,
-        [
-            f"{bindir}/pg_ctl",
-            "-D",
-            datadir,
-            "-o",
-            options,
-            "-l",
-            f"{datadir}/server.log",
-            "-w",
-            "-t",
-            "60",
-            "start",
-        ],
-    )
+
+    def pg_ctl_start(port: int) -> subprocess.CompletedProcess[str]:
+        options = f"-p {port} -k {datadir} -c listen_addresses=127.0.0.1 -c fsync=off"
+        log = f"{datadir}/server.log"
+        argv = [f"{bindir}/pg_ctl", "-D", datadir, "-o", options, "-l", log, "-w", "-t", "60"]
+        return _run(server, [*argv, "start"])
+
+    start = pg_ctl_start(server.port)
+    if start.returncode != 0 and "already in use" in _log_of(datadir):
+        # The port was picked free before initdb; something took it since: once more.
+        server = PostgresServer(bindir, datadir, _free_port(), "muster")
+        start = pg_ctl_start(server.port)
     if start.returncode != 0:
         return None, f"pg_ctl start failed: {start.stdout.strip()[-500:]}"
     return server, ""
+
+
+def _log_of(datadir: str) -> str:
+    try:
+        with open(f"{datadir}/server.log") as log:
+            return log.read()
+    except OSError:
+        return ""
 
 
 class _External(PostgresServer):

@@ -81,7 +81,7 @@ def test_a_stop_always_ends_the_member(
                 http=http,
                 send=send,
                 emit=lambda _lines: None,
-                grace=3.0,
+                grace=20.0,  # torchrun's own SIGTERM handling, not the SIGKILL fallback
                 spawn=spawn_then_stop,
             )
             task = asyncio.create_task(member.run())

@@ -23,9 +23,9 @@ def test_a_member_learns_the_address_and_port_the_reflector_saw() -> None:
             assert seen == ("127.0.0.1", local)
 
             # A question smaller than its answer, or not a question, gets nothing back.
-            def ask(data: bytes) -> bytes | None:
+            def ask(data: bytes, wait: float = 0.5) -> bytes | None:
                 with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                    s.settimeout(0.5)
+                    s.settimeout(wait)
                     s.sendto(data, ("127.0.0.1", port))
                     try:
                         return s.recv(512)
@@ -35,7 +35,7 @@ def test_a_member_learns_the_address_and_port_the_reflector_saw() -> None:
             assert await asyncio.to_thread(ask, REQUEST + b"n1") is None
             assert await asyncio.to_thread(ask, b"x" * 100) is None
             big = (REQUEST + b"n2 ").ljust(100, b"x")
-            answer = await asyncio.to_thread(ask, big)
+            answer = await asyncio.to_thread(ask, big, 5.0)
             assert answer is not None
             assert answer.startswith(b"muster-reflected n2 127.0.0.1 ")
             assert len(answer) <= len(big)

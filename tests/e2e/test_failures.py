@@ -63,7 +63,8 @@ def test_stopped_agent_is_lost_after_the_heartbeat_timeout(tmp_path: Path) -> No
             waited = time.monotonic() - stopped_at
             assert job["state"] == "failed"
             assert "no heartbeat" in job["root_cause"], job["root_cause"]
-            assert 3 <= waited < 15, waited
+            # The 4 s timeout, less up to a heartbeat interval, plus room for a busy machine.
+            assert 2 <= waited < 25, waited
         finally:
             os.kill(agent.pid, signal.SIGCONT)
 

@@ -296,7 +296,7 @@ def test_a_running_pair_that_loses_its_path_marks_the_job_degraded_until_it_is_b
     job = until(
         lambda j: (_condition(j, "NetworkDegraded") or {}).get("status") == "False",
         "NetworkDegraded cleared after UDP flowed again",
-        60,
+        120,
     )
     restored = _condition(job, "NetworkDegraded")
     assert restored is not None
@@ -363,7 +363,13 @@ def test_a_member_left_behind_on_a_fenced_epoch_cannot_reach_the_next_one(
             time.sleep(0.5)
         assert placed[1]["workers"] == ["h1", "h3"]
         fenced = next(e for e in job["events"] if e["kind"] == "EpochFenced")
-        assert "node1 (worker h2) was lost before any rank started" in fenced["message"]
+        # h2 was lost; or, had it already said its probe endpoint was up, the probe from h1
+        # to it failed first. Either way the epoch is fenced for h2's sake.
+        assert (
+            "node1 (worker h2) was lost before any rank started" in fenced["message"]
+            or "the probe failed" in fenced["message"]
+        ), fenced["message"]
+        assert "h2" in fenced["message"]
         # h1's new device: a new key pair, and only h3 as its peer (not h2's key).
         assert rig.run(h1, "wg", "show", "muster0", "public-key").stdout.strip() != h1_old_key
         new_peers = rig.run(h1, "wg", "show", "muster0", "peers").stdout.split()

@@ -254,7 +254,7 @@ def test_set_why_pending_many_takes_no_write_lock_when_nothing_changes(
     with held_write_lock(db_url):
         t0 = time.monotonic()
         assert store.set_why_pending_many(jobs) == 0
-        assert time.monotonic() - t0 < 2
+        assert time.monotonic() - t0 < 4  # a wait for the lock would be the busy timeout
 
 
 def test_a_pass_reserves_every_gang_in_one_go_and_a_conflict_spoils_only_its_own(

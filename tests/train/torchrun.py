@@ -17,6 +17,9 @@ ROOT = Path(__file__).resolve().parents[2]
 # full runs here; see pytorch/pytorch#190489 and #179291. Such a run is tried once more; any
 # other failure, or this one twice, fails the test.
 TEARDOWN_ABORT = "terminate called without an active exception"
+# The master port is picked free, then bound by torchrun a moment later; on a busy machine
+# another process can take it in between. Such a run is tried once more, on a new port.
+PORT_TAKEN = ("Address already in use", "EADDRINUSE")
 
 
 def torchrun(script: Path, *args: str, nproc: int = 2, timeout: float = 180) -> str:
@@ -31,9 +34,10 @@ def torchrun(script: Path, *args: str, nproc: int = 2, timeout: float = 180) -> 
             timeout=timeout,
             check=False,
         )
-        if done.returncode == 0 or TEARDOWN_ABORT not in done.stderr or attempt == 1:
+        retried = [m for m in (TEARDOWN_ABORT, *PORT_TAKEN) if m in done.stderr]
+        if done.returncode == 0 or not retried or attempt == 1:
             break
-        print(f"torch aborted at teardown ({TEARDOWN_ABORT!r}); running once more")
+        print(f"torchrun failed with {retried[0]!r}; running once more")
     # A rank's own error comes first, torchrun's summary last: show both ends.
     shown = (
         done.stderr
