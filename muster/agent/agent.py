@@ -502,7 +502,7 @@ class Agent:
             if assignment.get("path") == "direct" and len(assignment.get("addresses") or ()) > 1:
                 watch = asyncio.create_task(self.network.watch_paths(member.ids()))
             try:
-                await self.network.guard(assignment)
+                member.group = await self.network.guard(assignment)
                 await member.run()
             except Exception as exc:
                 log.exception("member of %s failed", job)

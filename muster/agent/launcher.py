@@ -25,6 +25,8 @@ import psutil
 from muster.agent.capture import Line, RankTailer, line_fields, list_outputs, root_cause
 from muster.agent.reaper import terminate
 from muster.errors import InfrastructureError
+from muster.net import cgroup
+from muster.net.cgroup import RankGroup
 from muster.plan import GangAddressing, launch_env, torchrun_argv
 from muster.spec import JobSpec, PathClass
 from muster.wire import Kind
@@ -98,6 +100,9 @@ class MemberRun:
         # again on every new link until it does (REPORT_ACK), so none is lost in flight.
         self.unacked: dict[Kind, dict[str, Any]] = {}
         self.finished = False  # run() has returned: no process of the member is left
+        # The cgroup torchrun starts in (set by the agent for a gang across hosts): the
+        # firewall tells the ranks' sockets by it (muster.net.cgroup).
+        self.group: RankGroup | None = None
 
     def ids(self) -> dict[str, Any]:
         return {"job": self.job, "epoch": self.epoch, "node_rank": self.node}
@@ -140,8 +145,17 @@ class MemberRun:
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             start_new_session=True,
-            preexec_fn=_term_with_parent,
+            preexec_fn=_before_exec(self.group),
         )
+        if self.group is not None and not await asyncio.to_thread(
+            cgroup.member_of, self.proc.pid, self.group
+        ):
+            log.warning(
+                "job %s: torchrun did not start in its group %s: the ranks' ports stay open "
+                "to non-members",
+                self.job,
+                self.group.path,
+            )
         reaper = asyncio.create_task(self._reaper(self.proc.pid))
         await self.send(Kind.MEMBER_STARTED, {**self.ids(), "pid": self.proc.pid})
         if self.stopping:
@@ -350,6 +364,15 @@ def unpack_bundle(data: bytes, dest: Path) -> None:
             tar.extractall(dest, filter="data")
     except tarfile.FilterError as exc:
         raise InfrastructureError(f"the bundle is unsafe to unpack: {exc}") from exc
+
+
+def _before_exec(group: RankGroup | None) -> Callable[[], None]:
+    def before() -> None:
+        _term_with_parent()
+        if group is not None:
+            cgroup.join(group.procs)
+
+    return before
 
 
 def _term_with_parent() -> None:

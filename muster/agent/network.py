@@ -21,7 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from muster.net import firewall
+from muster.net import cgroup, firewall
 from muster.net.endpoint import public_endpoint
 from muster.net.probe import LISTEN_FOR_S, PairResult, ProbeListener, probe_peers, route_of
 from muster.net.wireguard import Device, Peer, device_unavailable
@@ -50,6 +50,11 @@ class GangNetwork:
         self.send = send
         self.path_timeout = path_timeout
         self.firewall = firewall.Firewall(worker_id)
+        self.firewall_id = worker_id
+        self.groups: cgroup.RankGroups | None = None  # where the ranks' cgroups are made
+        self.no_groups: str | None = None  # why there are none (found at the first sweep)
+        self.said_no_groups = False
+        self.rank_groups: dict[str, cgroup.RankGroup] = {}  # job -> its ranks' group
         self.no_rules: str | None = None  # why this host takes no rules (checked at sweep)
         self.reflector = reflector  # the controller's host and port number (UDP)
         self.device = Device(log_dir=log_dir)
@@ -223,7 +228,20 @@ class GangNetwork:
     # ---- the rendezvous port's rules ------------------------------------------------------
 
     async def sweep_rules(self) -> None:
-        """Remove every rule of this agent (a crashed run's too); never raises."""
+        """Remove every rule and rank group of this agent (a crashed run's too); never raises."""
+        if self.groups is None and self.no_groups is None:
+            found = await asyncio.to_thread(cgroup.locate)
+            if isinstance(found, str):
+                self.no_groups = found
+            else:
+                self.groups = cgroup.RankGroups(found, self.firewall_id)
+        if self.groups is not None:
+            try:
+                gone = await asyncio.to_thread(self.groups.sweep)
+                if gone:
+                    log.info("removed the rank groups of an earlier run: %s", ", ".join(gone))
+            except Exception:
+                log.exception("sweeping the rank groups under %s", self.groups.parent)
         self.no_rules = await asyncio.to_thread(firewall.unavailable)
         if self.no_rules is not None:
             return  # said when a gang would need rules (never for gangs on loopback)
@@ -235,56 +253,94 @@ class GangNetwork:
         except Exception:
             log.exception("sweeping the firewall table %s", self.firewall.table)
 
-    async def guard(self, assignment: dict[str, Any]) -> None:
-        """Node 0 of a gang across hosts: its rendezvous port takes TCP from members only."""
+    async def guard(self, assignment: dict[str, Any]) -> cgroup.RankGroup | None:
+        """A member of a gang across hosts: its ranks' ports (and node 0's rendezvous port)
+        take TCP from the gang's members only. Returns the group the ranks must start in,
+        or None (a gang on one host, or a host that cannot take the rules: said in the log)."""
         addresses = [str(a) for a in assignment.get("addresses") or ()]
-        if assignment.get("node_rank") != 0 or len(addresses) < 2:
-            return
+        if len(addresses) < 2:
+            return None
         job, epoch = str(assignment["job"]), int(assignment["epoch"])
-        port = int(assignment["master_port"])
+        port = int(assignment["master_port"]) if assignment.get("node_rank") == 0 else None
         try:
             ips = [ipaddress.ip_address(a) for a in addresses]
         except ValueError:  # a host name advertised: rules need addresses
             log.warning(
-                "job %s: a member's address is not an IP address (%s): rendezvous port %d "
-                "stays open to anyone who reaches this host",
+                "job %s: a member's address is not an IP address (%s): the ranks' ports stay "
+                "open to anyone who reaches this host",
                 job,
                 ", ".join(addresses),
-                port,
             )
-            return
+            return None
         if all(ip.is_loopback for ip in ips):
-            return
+            return None
         if self.no_rules is not None:
             log.warning(
-                "job %s: no firewall rules on this host (%s): rendezvous port %d stays open "
-                "to anyone who reaches this host",
+                "job %s: no firewall rules on this host (%s): the ranks' ports stay open to "
+                "anyone who reaches this host",
                 job,
                 self.no_rules,
-                port,
             )
-            return
+            return None
+        group = None
+        if self.groups is None:
+            if not self.said_no_groups:
+                self.said_no_groups = True
+                log.warning(
+                    "the ranks' own ports (gloo, NCCL) stay open to non-members: %s; only "
+                    "node 0's rendezvous port is closed to them",
+                    self.no_groups,
+                )
+        else:
+            try:
+                group = await asyncio.to_thread(self.groups.make, firewall.gang_name(job))
+            except OSError as exc:
+                log.warning(
+                    "job %s: could not make a cgroup for its ranks (%s): their own ports stay "
+                    "open to non-members",
+                    job,
+                    exc,
+                )
+        if group is not None:
+            self.rank_groups[job] = group
+        if port is None and group is None:
+            return None
         try:
             async with self._rules:
-                await asyncio.to_thread(self.firewall.open, job, epoch, port, addresses)
-        except Exception as exc:  # the job still runs; the port is open as without rules
-            log.warning("job %s: could not close port %d to non-members: %s", job, port, exc)
-            return
+                await asyncio.to_thread(self.firewall.open, job, epoch, port, addresses, group)
+        except Exception as exc:  # the job still runs; its ports are open as without rules
+            log.warning("job %s: could not close its ports to non-members: %s", job, exc)
+            return group
         log.info(
-            "job %s: rendezvous port %d takes TCP from its %d members only",
+            "job %s: %s take TCP from the gang's %d members only",
             job,
-            port,
+            " and ".join(
+                ([f"rendezvous port {port}"] if port is not None else [])
+                + (["the ranks' ports"] if group is not None else [])
+            ),
             len(addresses),
         )
+        return group
 
     async def unguard(self, job: str) -> None:
-        if job not in self.firewall.gangs:
-            return
-        try:
-            async with self._rules:
-                await asyncio.to_thread(self.firewall.close, job)
-        except Exception:
-            log.exception("job %s: removing its rules", job)
+        """The member has ended: its rules go, and its group (a process still in it is
+        killed: no rank outlives its member)."""
+        if job in self.firewall.gangs:
+            try:
+                async with self._rules:
+                    await asyncio.to_thread(self.firewall.close, job)
+            except Exception:
+                log.exception("job %s: removing its rules", job)
+        group = self.rank_groups.pop(job, None)
+        if group is not None and self.groups is not None:
+            try:
+                killed = await asyncio.to_thread(self.groups.remove, group)
+                if killed:
+                    log.warning(
+                        "job %s: killed %d process(es) left in its ranks' group", job, killed
+                    )
+            except OSError:
+                log.exception("job %s: removing its ranks' group %s", job, group.path)
 
     # ---- the probe (every path) -------------------------------------------------------------
 

@@ -1,11 +1,14 @@
-"""The rendezvous port of a gang, open to its members only (nftables).
+"""A gang's ports, open to its members only (nftables).
 
-torchrun's c10d store on node 0 listens on every address of the host. While a gang runs,
-its agent drops TCP to that port from any address that is not a member's (on the gang's
-path: private addresses, or mesh addresses on the direct path), so another gang, or anyone
-else who reaches the host, cannot join or disturb the rendezvous.
+torchrun's c10d store on node 0 listens on every address of the host, and gloo and NCCL
+listen on ephemeral ports of the path's interface. While a gang runs, its agent drops TCP
+from any address that is not a member's (on the gang's path: private addresses, or mesh
+addresses on the direct path) to node 0's rendezvous port and, where the ranks run in a
+cgroup of their own (``muster.net.cgroup``), to every port their sockets listen on. Another
+gang, or anyone else who reaches the host, can neither join the rendezvous nor connect to a
+rank. Connections from the host's own loopback addresses are left alone.
 
-One table per agent, ``inet muster_<id>``: a set and a rule per gang, both named after the
+One table per agent, ``inet muster_<id>``: a set and rules per gang, all named after the
 gang (``g<hash>``) and carrying the job and epoch in a comment. The agent sweeps its table
 when it starts (a crashed agent's rules go) and deletes it when it stops. Rules are
 changed with ``nft -f -`` (one transaction each); a host without nft or CAP_NET_ADMIN
@@ -20,6 +23,8 @@ import re
 import shutil
 import subprocess
 from collections.abc import Sequence
+
+from muster.net.cgroup import RankGroup
 
 NFT_TIMEOUT_S = 10.0
 
@@ -82,8 +87,16 @@ class Firewall:
         self._nft(f"delete table inet {self.table}\n")
         return True
 
-    def open(self, job: str, epoch: int, port: int, members: Sequence[str]) -> None:
-        """Drop TCP to ``port`` unless it comes from one of ``members`` (addresses)."""
+    def open(
+        self,
+        job: str,
+        epoch: int,
+        port: int | None,
+        members: Sequence[str],
+        ranks: RankGroup | None = None,
+    ) -> None:
+        """Drop TCP to ``port`` (node 0's rendezvous port) and new connections to any socket
+        of the ``ranks`` group unless they come from one of ``members`` (addresses)."""
         if job in self.gangs:
             self.close(job)
         name = gang_name(job)
@@ -100,11 +113,25 @@ class Firewall:
             + "}",
             "  chain input { type filter hook input priority -5; policy accept; }",
             "}",
-            f"add rule inet {self.table} input meta nfproto ipv4 tcp dport {port} "
-            f'ip saddr != @{name}4 counter drop comment "{name} {note}"',
-            f"add rule inet {self.table} input meta nfproto ipv6 tcp dport {port} "
-            f'ip6 saddr != @{name}6 counter drop comment "{name} {note}"',
         ]
+        matches = []
+        if port is not None:
+            matches.append(f"tcp dport {port}")
+        if ranks is not None:
+            # A connection's first packet, to a socket one of the gang's ranks opened.
+            matches.append(
+                "tcp flags & (syn | ack) == syn "
+                f'socket cgroupv2 level {ranks.level} "{ranks.nft_path}"'
+            )
+        for match in matches:
+            lines += [
+                f"add rule inet {self.table} input meta nfproto ipv4 {match} "
+                f"ip saddr != 127.0.0.0/8 ip saddr != @{name}4 "
+                f'counter drop comment "{name} {note}"',
+                f"add rule inet {self.table} input meta nfproto ipv6 {match} "
+                f"ip6 saddr != ::1 ip6 saddr != @{name}6 "
+                f'counter drop comment "{name} {note}"',
+            ]
         self._nft("\n".join(lines) + "\n")
         self.gangs[job] = name
 

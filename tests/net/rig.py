@@ -183,9 +183,12 @@ class Rig:
         hide_tun = "mount -t tmpfs -o mode=0755 rig-no-tun /dev/net && " if container_only else ""
         # `ip netns exec` binds /etc/netns/<ns>/* over /etc; unshare gives the host a mount
         # namespace of its own, with its own /run/wireguard; the shell then waits forever.
+        # `ip netns exec` gave it a fresh /sys; the cgroup v2 hierarchy goes where a modern
+        # host has it (the agent puts each member's ranks in a group of their own there).
         script = (
             "mount --make-rprivate / && "
             "mount -t tmpfs -o mode=0755 rig-wireguard /run/wireguard && "
+            "{ mount -t cgroup2 rig-cgroup2 /sys/fs/cgroup || true; } && "
             f"{hide_tun}echo up && exec sleep infinity"
         )
         holder = subprocess.Popen(
@@ -367,9 +370,11 @@ table ip muster_rig_nat {
         return host.root / f"{name}.log"
 
     def reaches(self, host: Host, address: str, timeout: float = 1.0) -> bool:
-        """One ping from ``host`` to ``address`` comes back."""
-        wait = str(max(1, int(timeout)))
-        return self.run(host, "ping", "-c1", "-W", wait, address, check=False).returncode == 0
+        """A ping from ``host`` to ``address`` comes back: pings every 0.2 s until one does,
+        for at least 2 s (a busy machine may lose the first)."""
+        wait = str(max(2, int(timeout)))
+        done = self.run(host, "ping", "-c1", "-i", "0.2", "-w", wait, address, check=False)
+        return done.returncode == 0
 
     # ---- muster on the rig ---------------------------------------------------------------
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -10,7 +12,7 @@ import pytest
 
 from muster.net import firewall
 from tests.net.conftest import needs
-from tests.net.rig import Rig
+from tests.net.rig import Host, Rig
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(300)
@@ -180,7 +182,9 @@ HOLD = """
 import os, time, torch.distributed as dist
 dist.init_process_group("gloo")
 print("ready", flush=True)
-time.sleep(float(os.environ.get("HOLD_S", "12")))
+deadline = time.monotonic() + 120  # until the test has looked (it writes RELEASE), bounded
+while not os.path.exists(os.environ["RELEASE"]) and time.monotonic() < deadline:
+    time.sleep(0.2)
 dist.barrier()
 print("held ok", flush=True)
 dist.destroy_process_group()
@@ -202,8 +206,9 @@ def test_the_rendezvous_port_takes_members_only_and_no_rule_outlives_the_job(
 ) -> None:
     """A 2-node gang on h1 and h2; h3 sits on the same private network. While the gang runs,
     h2 reaches node 0's rendezvous port and h3 does not (its packets are counted, none
-    delivered); after the job no rule is left. A table left by a crashed agent on h3 is
-    swept when its agent starts."""
+    delivered); nor does h3 reach the ports the ranks' gloo listens on (on either node).
+    After the job no rule and no rank group is left. A table left by a crashed agent on h3
+    is swept when its agent starts."""
     needs("nft")
     h1, h2, h3 = rig.one_region(3)
     stale = firewall.table_name("h3")
@@ -219,7 +224,7 @@ def test_the_rendezvous_port_takes_members_only_and_no_rule_outlives_the_job(
     job_dir.mkdir()
     (job_dir / "train.py").write_text(HOLD)
     (job_dir / "job.yaml").write_text(
-        "name: hold\nentrypoint: train.py\n"
+        f"name: hold\nentrypoint: train.py\nenv: {{RELEASE: '{tmp_path / 'release'}'}}\n"
         "distributed: {num_workers: 2, procs_per_worker: 1, backend: gloo}\n"
     )
     job_id = rig.muster(ctl, "submit", str(job_dir / "job.yaml")).strip()
@@ -248,8 +253,43 @@ def test_the_rendezvous_port_takes_members_only_and_no_rule_outlives_the_job(
     dropped = [ln for ln in ruleset.stdout.splitlines() if f"tcp dport {port}" in ln]
     assert dropped, ruleset.stdout
     assert "counter packets 0 " not in dropped[0], ruleset.stdout
+    # The ranks' own ports (gloo's listeners, on ephemeral ports nobody names in advance):
+    # the ranks run in a cgroup of their member, and h3's connections to them are dropped.
+    groups = []
+    for host in (node0, node1):
+        group = rank_group(host, job_id)
+        groups.append(group)
+        pids = set(rig.run(host, "cat", f"{group}/cgroup.procs").stdout.split())
+        ports = [
+            (addr, p)
+            for addr, p, pid in re.findall(
+                r"LISTEN\s+\d+\s+\d+\s+(\S+):(\d+)\s+\S+\s+users:\(\(\"[^\"]*\",pid=(\d+)",
+                rig.run(host, "ss", "-ltnpH").stdout,
+            )
+            if pid in pids and int(p) != port and not addr.startswith("127.")
+        ]
+        assert ports, rig.run(host, "ss", "-ltnp").stdout
+        for _, rank_port in ports:
+            outsider = rig.muster_python(h3, str(probe), host.address, rank_port).strip()
+            assert outsider.startswith("refused"), (host.name, rank_port, outsider)
+        ruleset = rig.run(host, "nft", "list", "table", "inet", firewall.table_name(host.name))
+        by_group = [ln for ln in ruleset.stdout.splitlines() if "socket cgroupv2" in ln]
+        assert by_group, ruleset.stdout
+        assert "counter packets 0 " not in by_group[0], ruleset.stdout
 
+    (tmp_path / "release").write_text("")
     job = rig.wait_done(job_id, timeout=120)
     assert job["state"] == "succeeded", job["root_cause"]
-    for host in (h1, h2, h3):
-        assert "muster_" not in rig.run(host, "nft", "list", "tables").stdout
+    # The agents drop rules and groups just after the member's last report: bounded wait.
+    deadline = time.monotonic() + 30
+    while any(
+        "muster_" in rig.run(host, "nft", "list", "tables").stdout for host in (h1, h2, h3)
+    ) or any(rig.run(node0, "test", "-e", g, check=False).returncode == 0 for g in groups):
+        assert time.monotonic() < deadline, "a rule or a rank group outlived the job"
+        time.sleep(0.2)
+
+
+def rank_group(host: Host, job_id: str) -> str:
+    """The cgroup (directory) the agent on ``host`` made for its member of ``job_id``."""
+    prefix = "muster-" + hashlib.sha256(host.name.encode()).hexdigest()[:12] + "-"
+    return f"/sys/fs/cgroup/{prefix}{firewall.gang_name(job_id)}"
