@@ -34,7 +34,7 @@ from muster.agent.network import GangNetwork
 from muster.agent.retention import remove_stale_job_dirs
 from muster.client import pinned_ssl_context
 from muster.errors import InfrastructureError
-from muster.spec import WorkerInventory
+from muster.spec import MESH_INTERFACE, WorkerInventory
 from muster.wire import Frame, FrameRefused, Kind
 
 log = logging.getLogger("muster.agent")
@@ -83,6 +83,8 @@ class AgentConfig:
     # lost its path (NET_PATH: the job's NetworkDegraded). Idle tunnels carry a keepalive
     # every 25 s, so it is more than two of those.
     path_timeout: float = 60.0
+    # The name of this agent's WireGuard device (claimed by `muster agent`, one per agent).
+    device: str = MESH_INTERFACE
 
 
 @dataclass
@@ -142,6 +144,7 @@ class Agent:
             _reflector(config),
             config.worker_id,
             path_timeout=config.path_timeout,
+            device=config.device,
         )
 
     # ---- dialing -------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import psutil
 
 from muster.errors import UserError
 from muster.net.wireguard import device_unavailable, has_cap_net_admin
-from muster.spec import Gpus, NetworkCaps, WorkerInventory
+from muster.spec import MESH_INTERFACE, Gpus, NetworkCaps, WorkerInventory
 
 _PROBE = """
 import importlib.util, json, platform
@@ -100,7 +100,10 @@ def check_interface(name: str) -> str:
 
 
 def network_caps(
-    address: str, private_network: str | None, interface: str | None = None
+    address: str,
+    private_network: str | None,
+    interface: str | None = None,
+    device: str = MESH_INTERFACE,
 ) -> NetworkCaps:
     """Hosts on one loopback, or on one declared network (``--private-network``), share a
     private path; nothing is guessed from addresses (two hosts in one /24 may still sit
@@ -120,6 +123,7 @@ def network_caps(
         # device or kernel WireGuard, and wg); a container without CAP_NET_ADMIN cannot.
         can_create_device=device_unavailable() is None,
         container_only=not has_cap_net_admin(),
+        device=device,
     )
 
 
@@ -130,6 +134,7 @@ def collect(
     private_network: str | None = None,
     labels: dict[str, str] | None = None,
     interface: str | None = None,
+    device: str = MESH_INTERFACE,
 ) -> WorkerInventory:
     py = probe_python(python)
     gpus = probe_gpus()
@@ -143,6 +148,6 @@ def collect(
         torchrun=bool(py.get("torchrun")),
         backends=backends,
         gpus=gpus,
-        network=network_caps(address, private_network, interface),
+        network=network_caps(address, private_network, interface, device),
         labels=labels or {},
     )

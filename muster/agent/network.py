@@ -25,6 +25,8 @@ from muster.net import cgroup, firewall
 from muster.net.endpoint import public_endpoint
 from muster.net.probe import LISTEN_FOR_S, PairResult, ProbeListener, probe_peers, route_of
 from muster.net.wireguard import Device, Peer, device_unavailable
+from muster.plan import MESH_PREFIX
+from muster.spec import MESH_INTERFACE
 from muster.wire import Kind
 
 log = logging.getLogger("muster.agent")
@@ -46,6 +48,7 @@ class GangNetwork:
         worker_id: str = "",
         *,
         path_timeout: float = 60.0,
+        device: str = MESH_INTERFACE,
     ) -> None:
         self.send = send
         self.path_timeout = path_timeout
@@ -57,7 +60,7 @@ class GangNetwork:
         self.rank_groups: dict[str, cgroup.RankGroup] = {}  # job -> its ranks' group
         self.no_rules: str | None = None  # why this host takes no rules (checked at sweep)
         self.reflector = reflector  # the controller's host and port number (UDP)
-        self.device = Device(log_dir=log_dir)
+        self.device = Device(device, log_dir=log_dir)
         self.owner: tuple[str, int] | None = None  # (job, epoch) whose device is up
         self._lock = asyncio.Lock()  # one device change at a time
         self.closed = False  # the agent is stopping: no device is made any more
@@ -305,9 +308,15 @@ class GangNetwork:
             self.rank_groups[job] = group
         if port is None and group is None:
             return None
+        mesh = None
+        if assignment.get("path") == "direct":  # the gang's own network (a /22)
+            node = int(assignment.get("node_rank") or 0)
+            mesh = str(ipaddress.ip_network(f"{addresses[node]}/{MESH_PREFIX}", strict=False))
         try:
             async with self._rules:
-                await asyncio.to_thread(self.firewall.open, job, epoch, port, addresses, group)
+                await asyncio.to_thread(
+                    self.firewall.open, job, epoch, port, addresses, group, mesh
+                )
         except Exception as exc:  # the job still runs; its ports are open as without rules
             log.warning("job %s: could not close its ports to non-members: %s", job, exc)
             return group
@@ -374,7 +383,10 @@ class GangNetwork:
             ids["job"],
             ", ".join(f"node{r.node}: {r.gbps} Gbit/s, {r.rtt_ms} ms" for r in results),
         )
-        await self.send(Kind.PROBE_DONE, {**ids, "pairs": [r.as_json() for r in results]})
+        await self.send(
+            Kind.PROBE_DONE,
+            {**ids, "pairs": [r.as_json() for r in results], "device": self.device.name},
+        )
 
     def _paths_taken(
         self, results: list[PairResult], peers: list[tuple[int, str, int]]

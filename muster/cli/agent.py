@@ -19,6 +19,8 @@ from muster.cli.gc import parse_retention
 from muster.cli.main import app, reports_errors
 from muster.client import controller_url, split_token
 from muster.errors import UserError
+from muster.net.wireguard import claim_device, device_unavailable
+from muster.spec import MESH_INTERFACE
 from muster.store import ensure_data_dir
 
 
@@ -51,6 +53,11 @@ def agent(
         help="network interface the ranks bind (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME) "
         "[the one holding the advertise address]",
     ),
+    device: str = typer.Option(
+        None,
+        help="name of this agent's WireGuard device on the direct path; two agents on one "
+        "host need two names [the first free of muster0, muster1, ...]",
+    ),
     persist: bool = typer.Option(False, help="dial again forever when the link is lost"),
     path_timeout: float = typer.Option(
         60.0,
@@ -81,6 +88,9 @@ def agent(
     secret, pin = split_token(token)
     address = advertise_address or advertise_address_for(url)
     bound_interface = check_interface(interface) if interface else None
+    device_name, claim = MESH_INTERFACE, None
+    if device_unavailable() is None:  # it can make devices: claim a name no other agent has
+        device_name, claim = claim_device(device)
     config = AgentConfig(
         controller=url,
         token=secret,
@@ -89,12 +99,18 @@ def agent(
         work_dir=work_dir or ensure_data_dir() / "agents" / worker_id,
         python=python,
         inventory=lambda: collect(
-            worker_id, python, address, private_network, interface=bound_interface
+            worker_id,
+            python,
+            address,
+            private_network,
+            interface=bound_interface,
+            device=device_name,
         ),
         persist=persist,
         grace=grace,
         retention=keep_for,
         path_timeout=path_timeout,
+        device=device_name,
     )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if path_timeout < 30:
@@ -104,4 +120,9 @@ def agent(
             path_timeout,
         )
     remove_stale_job_dirs(config.work_dir, keep_for)  # nothing runs here yet
-    raise typer.Exit(asyncio.run(Agent(config).run()))
+    try:
+        code = asyncio.run(Agent(config).run())
+    finally:
+        if claim is not None:
+            claim.close()  # (the name is this agent's until here)
+    raise typer.Exit(code)

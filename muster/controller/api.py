@@ -314,7 +314,7 @@ async def list_workers(request: Request) -> list[dict[str, Any]]:
             "gpus": w.inventory.get("gpus", {}).get("count", 0),
             "network": {
                 key: w.inventory.get("network", {}).get(key)
-                for key in ("private_network_id", "can_create_device", "container_only")
+                for key in ("private_network_id", "can_create_device", "container_only", "device")
             },
             "connected": w.id in ctl.links,
             "last_seen": w.last_seen.isoformat(),

@@ -72,7 +72,15 @@ from muster.gang import (
 from muster.gang.lifecycle import probe_budget
 from muster.plan import MESH_GANGS, MESH_MAX_NODES, MESH_PREFIX, gang_addressing, mesh_address
 from muster.scheduler import Placement, PoolIndex, QueuedJob, schedule
-from muster.spec import JobSpec, JobState, MemberState, PathClass, WorkerInventory, WorkerState
+from muster.spec import (
+    MESH_INTERFACE,
+    JobSpec,
+    JobState,
+    MemberState,
+    PathClass,
+    WorkerInventory,
+    WorkerState,
+)
 from muster.store import Store
 from muster.store.jobs import reason_gist
 from muster.store.writes import (
@@ -684,7 +692,8 @@ class Controller:
                 node, int(body.get("port") or 0), str(error)[:500] if error else None
             )
         elif kind is Kind.PROBE_DONE:
-            event = ProbeDone(node, tuple(_probe_pair(p) for p in body.get("pairs") or []))
+            pairs = tuple(_probe_pair(p) for p in body.get("pairs") or [])
+            event = ProbeDone(node, pairs, _short(body.get("device")) or MESH_INTERFACE)
         elif kind is Kind.NET_PATH:
             at = {mesh_address(n, entry.mesh): n for n in range(len(entry.gang.members))}
             lost = body.get("lost")

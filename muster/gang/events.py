@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TypeAlias
 
-from muster.spec import PathClass
+from muster.spec import MESH_INTERFACE, PathClass
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,7 @@ class ProbeDone:
 
     node: int
     pairs: tuple[ProbePair, ...] = ()
+    device: str = MESH_INTERFACE  # the member's own WireGuard device (direct path)
 
 
 @dataclass(frozen=True)

@@ -69,7 +69,7 @@ from muster.gang.events import (
     Tick,
 )
 from muster.gang.run import GangPhase, GangRun, Member
-from muster.spec import MESH_INTERFACE, JobState, MemberState, PathClass
+from muster.spec import JobState, MemberState, PathClass
 
 _M = MemberState
 _FORWARD = (_M.PENDING, _M.ASSIGNED, _M.STARTING, _M.RUNNING, _M.SUCCEEDED)
@@ -306,10 +306,10 @@ def _probe_done(turn: _Turn, event: ProbeDone) -> None:
             cause = f"the probe failed from {who}: {pair.error}"
             _fence(turn, cause, [(member.node, pair.node)], "ProbeFailed")
             return
-        if run.path is PathClass.DIRECT and pair.via is not None and pair.via != MESH_INTERFACE:
+        if run.path is PathClass.DIRECT and pair.via is not None and pair.via != event.device:
             # Read from the data plane: the pair's traffic did not take the gang's network.
             cause = (
-                f"the probe's traffic from {who} left by {pair.via}, not {MESH_INTERFACE}: "
+                f"the probe's traffic from {who} left by {pair.via}, not {event.device}: "
                 "not the direct path"
             )
             _fence(turn, cause, [(member.node, pair.node)], "PathNotDirect")

@@ -25,6 +25,7 @@ import subprocess
 from collections.abc import Sequence
 
 from muster.net.cgroup import RankGroup
+from muster.net.probe import PROBE_MARK
 
 NFT_TIMEOUT_S = 10.0
 
@@ -94,9 +95,14 @@ class Firewall:
         port: int | None,
         members: Sequence[str],
         ranks: RankGroup | None = None,
+        mesh: str | None = None,
     ) -> None:
         """Drop TCP to ``port`` (node 0's rendezvous port) and new connections to any socket
-        of the ``ranks`` group unless they come from one of ``members`` (addresses)."""
+        of the ``ranks`` group unless they come from one of ``members`` (addresses). With
+        ``mesh`` (the gang's network on the direct path, a CIDR) and ``ranks``: drop new
+        connections into that network from any socket of this host but the ranks' (and the
+        agent's probe, by its mark), so another gang's ranks on a shared host cannot use
+        this gang's device."""
         if job in self.gangs:
             self.close(job)
         name = gang_name(job)
@@ -112,6 +118,7 @@ class Firewall:
             + (f"elements = {{ {', '.join(v6)} }}; " if v6 else "")
             + "}",
             "  chain input { type filter hook input priority -5; policy accept; }",
+            "  chain output { type filter hook output priority -5; policy accept; }",
             "}",
         ]
         matches = []
@@ -132,6 +139,16 @@ class Firewall:
                 f"ip6 saddr != ::1 ip6 saddr != @{name}6 "
                 f'counter drop comment "{name} {note}"',
             ]
+        if ranks is not None and mesh is not None:
+            net = ipaddress.ip_network(mesh)
+            family = "ip" if net.version == 4 else "ip6"
+            lines.append(
+                f"add rule inet {self.table} output meta nfproto ipv{net.version} "
+                f"{family} daddr {net} tcp flags & (syn | ack) == syn "
+                f"meta mark != {PROBE_MARK:#x} "
+                f'socket cgroupv2 level {ranks.level} != "{ranks.nft_path}" '
+                f'counter drop comment "{name} {note}"'
+            )
         self._nft("\n".join(lines) + "\n")
         self.gangs[job] = name
 
@@ -144,13 +161,15 @@ class Firewall:
         if not self.gangs:  # the last gang: nothing of muster's stays on the host
             self._nft(f"delete table inet {self.table}\n")
             return
-        listing = subprocess.run(
-            ["nft", "-a", "list", "chain", "inet", self.table, "input"],
-            capture_output=True,
-            text=True,
-            timeout=NFT_TIMEOUT_S,
-        ).stdout
-        handles = re.findall(rf'comment "{name} [^"]*" # handle (\d+)', listing)
-        script = [f"delete rule inet {self.table} input handle {h}" for h in handles]
+        script = []
+        for chain in ("input", "output"):
+            listing = subprocess.run(
+                ["nft", "-a", "list", "chain", "inet", self.table, chain],
+                capture_output=True,
+                text=True,
+                timeout=NFT_TIMEOUT_S,
+            ).stdout
+            handles = re.findall(rf'comment "{name} [^"]*" # handle (\d+)', listing)
+            script += [f"delete rule inet {self.table} {chain} handle {h}" for h in handles]
         script += [f"delete set inet {self.table} {name}4", f"delete set inet {self.table} {name}6"]
         self._nft("\n".join(script) + "\n")

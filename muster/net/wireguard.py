@@ -14,8 +14,10 @@ import base64
 import contextlib
 import ctypes
 import os
+import re
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Sequence
@@ -26,7 +28,7 @@ from typing import IO
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-from muster.errors import InfrastructureError
+from muster.errors import InfrastructureError, UserError
 from muster.spec.network import MESH_INTERFACE
 
 MTU = 1280
@@ -36,6 +38,41 @@ START_TIMEOUT_S = 10.0
 COMMAND_TIMEOUT_S = 15.0
 CAP_NET_ADMIN = 12
 PR_SET_PDEATHSIG = 1
+
+
+DEVICE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,15}$")  # what Linux takes as an interface name
+DEVICE_CHOICES = 16  # muster0 .. muster15 tried when no name is given
+
+
+def claim_device(name: str | None = None) -> tuple[str, socket.socket]:
+    """Claim a device name for this agent in this network namespace, where device names
+    live: ``name``, or the first free of muster0, muster1, ... Two agents on one host so
+    never take (or remove) each other's device. The claim is an abstract Unix socket
+    (scoped to the network namespace, gone when the agent dies, even killed): keep the
+    returned socket open for as long as the name is used. Raises UserError when
+    ``name`` is taken, or every choice is (UserError: the fix is the --device flag)."""
+    names = [name] if name else [f"muster{i}" for i in range(DEVICE_CHOICES)]
+    for candidate in names:
+        if not DEVICE_NAME.match(candidate) or candidate in (".", ".."):
+            raise UserError(
+                f"--device {candidate!r}: an interface name is 1-15 letters, digits, '_.-'"
+            )
+        claim = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            claim.bind(f"\0muster-device:{candidate}")
+        except OSError:
+            claim.close()
+            continue
+        return candidate, claim
+    if name:
+        raise UserError(
+            f"device {name} is used by another muster agent on this host: give this agent "
+            "another --device name (or leave it out to take a free one)"
+        )
+    raise UserError(
+        f"every device name muster0..muster{DEVICE_CHOICES - 1} is used by another muster "
+        "agent on this host: give this agent --device NAME"
+    )
 
 
 @dataclass(frozen=True)
@@ -110,7 +147,8 @@ def _run(*args: str, input: str | None = None) -> str:
 
 
 class Device:
-    """``muster0`` for one member of one epoch; ``down`` removes every trace of it."""
+    """The agent's device (``muster0`` unless it claimed another name, see
+    :func:`claim_device`) for one member of one epoch; ``down`` removes every trace of it."""
 
     def __init__(self, name: str = MESH_INTERFACE, log_dir: Path | None = None) -> None:
         self.name = name

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from muster.errors import PlatformError
 from muster.spec.job import JobSpec
-from muster.spec.network import MESH_INTERFACE, PathClass
+from muster.spec.network import PathClass
 from muster.spec.rules import PLATFORM_ENV, PLATFORM_ENV_PREFIXES
 from muster.spec.worker import WorkerInventory
 
@@ -89,7 +89,7 @@ def gang_addressing(
         interfaces = tuple(m.network.private_interface for m in members)
     elif path is PathClass.DIRECT:
         addresses = tuple(mesh_address(r, mesh) for r in range(len(members)))
-        interfaces = tuple(MESH_INTERFACE for _ in members)
+        interfaces = tuple(m.network.device for m in members)  # each agent's own device
     else:
         addresses = tuple(m.advertise_address or "" for m in members)
         interfaces = tuple(m.network.primary_interface for m in members)

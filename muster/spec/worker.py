@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from muster.spec.network import MESH_INTERFACE
 from muster.spec.states import WorkerState
 
 GpuVendor = Literal["nvidia", "amd", "intel", "apple"]
@@ -37,6 +38,11 @@ class NetworkCaps(_Model):
     )
     can_create_device: bool = Field(
         default=False, description="may create a WireGuard device (direct path)"
+    )
+    device: str = Field(
+        default=MESH_INTERFACE,
+        pattern=r"^[A-Za-z0-9_.-]{1,15}$",
+        description="the name of its WireGuard device on the direct path (one per agent)",
     )
     container_only: bool = Field(
         default=False, description="no network device, no CAP_NET_ADMIN, no UDP"

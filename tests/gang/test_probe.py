@@ -201,3 +201,24 @@ def test_a_direct_pair_whose_traffic_left_by_another_interface_is_fenced() -> No
     )
     assert KeepApart(PathClass.DIRECT, (("w0", "w1"),)) in actions
     assert run.fenced
+
+
+def test_the_direct_path_is_the_members_own_device_whatever_its_name() -> None:
+    """A second agent on a host makes muster1: its traffic leaving by muster1 is the
+    direct path; by muster0 (another agent's device) it is not."""
+    placed = Placed("job1", 1, W[:2], PathClass.DIRECT, probe_seconds=0.0)
+    run, _ = step(GangRun(), placed, 0)
+    for event in (NetReady(0, "k0=", "10.0.0.1:1"), NetReady(1, "k1=", "10.0.0.2:1")):
+        run, _ = step(run, event, 0)
+    run, _ = step(run, NetUp(0), 0)
+    run, _ = step(run, NetUp(1), 0)
+    run, _ = step(run, ProbeReady(0, 40000), 1)
+    run, _ = step(run, ProbeReady(1, 40001), 1)
+    own = ProbePair(1, 3, rtt_ms=0.4, via="muster1", endpoint="10.0.0.2:1")
+    _, actions = step(run, ProbeDone(0, (own,), device="muster1"), 2)
+    assert actions[0] == SetCondition("NetworkQualified", True, "ProbePassed", actions[0].message)
+    run, actions = step(run, ProbeDone(0, (own,), device="muster0"), 2)
+    assert isinstance(actions[0], SetCondition)
+    assert actions[0].reason == "PathNotDirect"
+    assert "left by muster1, not muster0" in actions[0].message
+    assert run.fenced

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -47,6 +48,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from muster.net import firewall
 
 NS_PREFIX = "mr"  # namespaces are named mr<pid>-<name>: the pid says whose they are
 NETNS_ETC = Path("/etc/netns")
@@ -419,14 +422,19 @@ table ip muster_rig_nat {
             )
             setattr(self, attr, done.stdout.strip())
 
-    def start_agent(self, host: Host, *args: str) -> subprocess.Popen[bytes]:
-        """``muster agent`` on ``host``, dialling the rig's controller; the join string
-        goes in MUSTER_TOKEN, never on the command line."""
+    def start_agent(
+        self, host: Host, *args: str, worker: str | None = None
+    ) -> subprocess.Popen[bytes]:
+        """``muster agent`` on ``host`` (worker id ``worker``, by default the host's name: a
+        host may run several), dialling the rig's controller; the join string goes in
+        MUSTER_TOKEN, never on the command line."""
         assert self.join_token, "start the controller first"
+        worker = worker or host.name
+        suffix = "" if worker == host.name else f"-{worker}"
         return self.spawn(
-            host, "agent", sys.executable, "-m", "muster", "agent",
-            "--controller", self.controller_url, "--name", host.name,
-            "--work-dir", str(host.root / "work"),
+            host, f"agent{suffix}", sys.executable, "-m", "muster", "agent",
+            "--controller", self.controller_url, "--name", worker,
+            "--work-dir", str(host.root / f"work{suffix}"),
             *(["--private-network", host.private_network] if host.private_network else []),
             *args,
             env={"MUSTER_TOKEN": self.join_token},
@@ -588,3 +596,10 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def rank_group(worker: str, job_id: str) -> str:
+    """The cgroup (directory, as a rig host mounts the hierarchy) that ``worker``'s agent
+    made for its member of ``job_id``: muster.net.cgroup's naming."""
+    prefix = "muster-" + hashlib.sha256(worker.encode()).hexdigest()[:12] + "-"
+    return f"/sys/fs/cgroup/{prefix}{firewall.gang_name(job_id)}"

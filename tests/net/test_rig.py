@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import re
 import subprocess
 import time
@@ -12,7 +11,7 @@ import pytest
 
 from muster.net import firewall
 from tests.net.conftest import needs
-from tests.net.rig import Host, Rig
+from tests.net.rig import Rig, rank_group
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(300)
@@ -257,7 +256,7 @@ def test_the_rendezvous_port_takes_members_only_and_no_rule_outlives_the_job(
     # the ranks run in a cgroup of their member, and h3's connections to them are dropped.
     groups = []
     for host in (node0, node1):
-        group = rank_group(host, job_id)
+        group = rank_group(host.name, job_id)
         groups.append(group)
         pids = set(rig.run(host, "cat", f"{group}/cgroup.procs").stdout.split())
         ports = [
@@ -287,9 +286,3 @@ def test_the_rendezvous_port_takes_members_only_and_no_rule_outlives_the_job(
     ) or any(rig.run(node0, "test", "-e", g, check=False).returncode == 0 for g in groups):
         assert time.monotonic() < deadline, "a rule or a rank group outlived the job"
         time.sleep(0.2)
-
-
-def rank_group(host: Host, job_id: str) -> str:
-    """The cgroup (directory) the agent on ``host`` made for its member of ``job_id``."""
-    prefix = "muster-" + hashlib.sha256(host.name.encode()).hexdigest()[:12] + "-"
-    return f"/sys/fs/cgroup/{prefix}{firewall.gang_name(job_id)}"

@@ -170,3 +170,16 @@ def test_the_agents_interface_is_what_the_ranks_bind_and_secrets_never_reach_the
     env = launch_env(spec, 1, unknown, node_env=node_env)
     assert "NCCL_SOCKET_IFNAME" not in env
     assert "GLOO_SOCKET_IFNAME" not in env
+
+
+def test_on_the_direct_path_each_rank_binds_its_own_agents_device() -> None:
+    """Two agents on one host claim two device names (muster0, muster1): the ranks of each
+    member bind the device their own agent made."""
+    members = [
+        m.model_copy(update={"network": m.network.model_copy(update={"device": f"muster{i}"})})
+        for i, m in enumerate(MEMBERS)
+    ]
+    gang = gang_addressing(PathClass.DIRECT, members, 29500)
+    assert gang.interfaces == ("muster0", "muster1", "muster2")
+    env = launch_env(job(), 1, gang)
+    assert env["GLOO_SOCKET_IFNAME"] == env["NCCL_SOCKET_IFNAME"] == "muster1"

@@ -1,0 +1,40 @@
+"""Device names are claimed per network namespace, so two agents on one host never share
+(or remove) one device (muster.net.wireguard.claim_device)."""
+
+from __future__ import annotations
+
+import pytest
+
+from muster.errors import UserError
+from muster.net.wireguard import claim_device
+
+
+def test_a_second_claim_takes_the_next_free_name_and_a_taken_name_is_refused() -> None:
+    first, held = claim_device()
+    try:
+        second, held2 = claim_device()
+        try:
+            assert first != second
+            assert first.startswith("muster")
+            assert second.startswith("muster")
+            with pytest.raises(UserError, match=f"device {first} is used by another"):
+                claim_device(first)
+        finally:
+            held2.close()
+    finally:
+        held.close()
+    # Released (the agent ended): the name is free again.
+    again, held = claim_device(first)
+    held.close()
+    assert again == first
+
+
+@pytest.mark.parametrize("name", ["", "a" * 16, "bad name", "..", "x/y"])
+def test_a_name_linux_would_refuse_is_refused_by_name(name: str) -> None:
+    if not name:  # empty means "pick one"
+        picked, held = claim_device(name or None)
+        held.close()
+        assert picked.startswith("muster")
+        return
+    with pytest.raises(UserError, match="an interface name is 1-15"):
+        claim_device(name)
