@@ -64,10 +64,12 @@ ALL_REDUCE = textwrap.dedent(
 
 
 def iperf3(rig: Rig, client: Host, server_addr: str, seconds: int = 5) -> float:
-    """Gbit/s received, one TCP stream."""
+    """Gbit/s received, one TCP stream, 1 MiB writes (iperf3's largest; its default 128 KiB
+    costs a CPU-bound veth a third of its rate here, and the probe writes 1 MiB too)."""
     out = rig.run(
-        client, "iperf3", "-c", server_addr, "-t", str(seconds), "-J", timeout=seconds + 30
-    ).stdout
+        client, "iperf3", "-c", server_addr, "-t", str(seconds), "-l", "1M", "-J",
+        timeout=seconds + 30,
+    ).stdout  # fmt: skip
     return float(json.loads(out)["end"]["sum_received"]["bits_per_second"]) / 1e9
 
 

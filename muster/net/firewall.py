@@ -6,7 +6,9 @@ from any address that is not a member's (on the gang's path: private addresses, 
 addresses on the direct path) to node 0's rendezvous port and, where the ranks run in a
 cgroup of their own (``muster.net.cgroup``), to every port their sockets listen on. Another
 gang, or anyone else who reaches the host, can neither join the rendezvous nor connect to a
-rank. Connections from the host's own loopback addresses are left alone.
+rank. Connections from the host's own loopback addresses reach a rank's sockets (gloo and
+NCCL listen on the path's address; what a rank serves on loopback is the user's), never the
+rendezvous port.
 
 One table per agent, ``inet muster_<id>``: a set and rules per gang, all named after the
 gang (``g<hash>``) and carrying the job and epoch in a comment. The agent sweeps its table
@@ -121,23 +123,30 @@ class Firewall:
             "  chain output { type filter hook output priority -5; policy accept; }",
             "}",
         ]
-        matches = []
+        matches = []  # (match, whether the host's own loopback addresses are let through)
         if port is not None:
-            matches.append(f"tcp dport {port}")
+            # The c10d store listens on every address, loopback too: nothing but the members
+            # (its own node connects by its member address, like the others).
+            matches.append((f"tcp dport {port}", False))
         if ranks is not None:
-            # A connection's first packet, to a socket one of the gang's ranks opened.
+            # A connection's first packet, to a socket one of the gang's ranks opened. gloo and
+            # NCCL listen on the path's address; what a rank serves on loopback (a user's own
+            # helper) stays reachable from this host.
             matches.append(
-                "tcp flags & (syn | ack) == syn "
-                f'socket cgroupv2 level {ranks.level} "{ranks.nft_path}"'
+                (
+                    "tcp flags & (syn | ack) == syn "
+                    f'socket cgroupv2 level {ranks.level} "{ranks.nft_path}"',
+                    True,
+                )
             )
-        for match in matches:
+        for match, loopback in matches:
             lines += [
                 f"add rule inet {self.table} input meta nfproto ipv4 {match} "
-                f"ip saddr != 127.0.0.0/8 ip saddr != @{name}4 "
-                f'counter drop comment "{name} {note}"',
+                + ("ip saddr != 127.0.0.0/8 " if loopback else "")
+                + f'ip saddr != @{name}4 counter drop comment "{name} {note}"',
                 f"add rule inet {self.table} input meta nfproto ipv6 {match} "
-                f"ip6 saddr != ::1 ip6 saddr != @{name}6 "
-                f'counter drop comment "{name} {note}"',
+                + ("ip6 saddr != ::1 " if loopback else "")
+                + f'ip6 saddr != @{name}6 counter drop comment "{name} {note}"',
             ]
         if ranks is not None and mesh is not None:
             net = ipaddress.ip_network(mesh)

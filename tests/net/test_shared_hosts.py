@@ -125,6 +125,9 @@ def test_two_direct_gangs_on_shared_hosts_cannot_reach_each_other(rig: Rig, tmp_
     # gloo listener, on the far host or on its own host.
     got = connect_from(rig, other, b_group[other.name], a_addr[a_node0.name], a_port)
     assert got.startswith("refused"), got
+    # (the c10d store listens on every address: not over the loopback of its own host either)
+    got = connect_from(rig, a_node0, b_group[a_node0.name], "127.0.0.1", a_port)
+    assert got.startswith("refused"), got
     for target in (h1, h2):
         listeners = gloo_ports(rig, target, a_group[target.name])
         assert listeners, rig.run(target, "ss", "-ltnp").stdout
