@@ -472,7 +472,11 @@ class Controller:
         bundles = {job_id: bundle for job_id, _seq, bundle in queued}
         pending: dict[str, str | None] = {}
         placements: dict[str, Placement] = {}
-        for decision in schedule(jobs, PoolIndex(views), SUPPORTED_PATHS):
+        pool = PoolIndex(views)
+        for entry in self.runs.values():  # a private gang's addresses are its own
+            if entry.gang.path is PathClass.PRIVATE and len(entry.inventories) > 1:
+                pool.hold_private(inv.network.private_address for inv in entry.inventories)
+        for decision in schedule(jobs, pool, SUPPORTED_PATHS):
             outcome = decision.outcome
             if isinstance(outcome, Placement):
                 placements[decision.job_id] = outcome

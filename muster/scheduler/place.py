@@ -15,6 +15,9 @@ Candidates are compared by the path's relative cost (private < direct; relayed c
 direct), then by a fixed order of their attributes, so the answer is deterministic.
 Inside the winning group the workers whose GPU count fits the job most tightly go first,
 then by worker id. A gang of one needs no network and always gets the private class.
+On the private path a worker whose private address another gang across hosts holds (two
+agents on one host share it) is passed over: the gangs' rules know members by address
+(``PoolIndex.private_taken``; IPCollision in the reason when nothing else fits).
 
 A job whose earlier epoch failed its network (a pair the probe could not cross, a direct
 path with no handshake) carries the pairs to keep apart, per path class (``Apart``): its
@@ -236,15 +239,28 @@ def _candidate_groups(kinds: list[WorkerKind], need: Need) -> list[_Group]:
     return groups
 
 
+def _screened(group: _Group, pool: PoolIndex, need: Need) -> bool:
+    """Whether the group's workers must be screened for another gang's private address
+    (a gang of one needs no network: never)."""
+    return group.path is PathClass.PRIVATE and need.workers > 1 and bool(pool.private_taken)
+
+
 def _available(
-    group: _Group, pool: PoolIndex, exclude: frozenset[WorkerKind], enough: int | None = None
+    group: _Group,
+    pool: PoolIndex,
+    exclude: frozenset[WorkerKind],
+    enough: int | None = None,
+    *,
+    screen: bool = False,
 ) -> int:
-    """Idle workers in the group outside ``exclude``; stops counting at ``enough``."""
+    """Idle workers in the group outside ``exclude`` (and with ``screen``, not at another
+    gang's private address); stops counting at ``enough``."""
     total = 0
     slots = pool.slots
     for kind in group.kinds:
         if kind not in exclude:
-            total += len(slots[kind].ids)
+            ids = slots[kind].ids
+            total += sum(1 for w in ids if not pool.private_blocked(w)) if screen else len(ids)
             if enough is not None and total >= enough:
                 break
     return total
@@ -281,7 +297,10 @@ def place_gang(
             if group.path in paths:
                 return Placement(group.path, chosen)
             blocked = blocked or group
-        elif _available(group, pool, exclude, need.workers) >= need.workers:
+        elif (
+            _available(group, pool, exclude, need.workers, screen=_screened(group, pool, need))
+            >= need.workers
+        ):
             if group.path in paths:
                 return Placement(group.path, _pick(group, pool, need, exclude))
             blocked = blocked or group
@@ -307,18 +326,44 @@ def place_gang(
     key = (need, exclude, pool.version)
     found = cache.get(key)
     if found is None:
-        found = cache[key] = Unplaceable(*_explain(need, pool, index, exclude))
+        reason, ruled_out = _explain(need, pool, index, exclude)
+        collided = _collisions(index, pool, exclude) if need.workers > 1 else 0
+        if collided:
+            reason += (
+                f"; IPCollision: {collided} idle worker(s) on a private network share an "
+                "address with a gang running on the private path there (one gang per address)"
+            )
+        found = cache[key] = Unplaceable(reason, ruled_out)
     return found
+
+
+def _collisions(index: _NeedIndex, pool: PoolIndex, exclude: frozenset[WorkerKind]) -> int:
+    """Idle workers the private path passed over for another gang's address."""
+    if not pool.private_taken:
+        return 0
+    seen = {
+        w
+        for group in index.groups
+        if group.path is PathClass.PRIVATE
+        for kind in group.kinds
+        if kind not in exclude
+        for w in pool.slots[kind].ids
+        if pool.private_blocked(w)
+    }
+    return len(seen)
 
 
 def _pick(
     group: _Group, pool: PoolIndex, need: Need, exclude: frozenset[WorkerKind]
 ) -> tuple[WorkerInventory, ...]:
     chosen: list[str] = []
+    screen = _screened(group, pool, need)
     for kind in group.kinds:  # already in pick order (see GroupCache._build)
         if kind in exclude:
             continue
         for wid in pool.slots[kind].ids:
+            if screen and pool.private_blocked(wid):
+                continue
             chosen.append(wid)
             if len(chosen) == need.workers:
                 return tuple(pool.inventory[w] for w in sorted(chosen))
@@ -335,7 +380,14 @@ def _pick_apart(
     """Like ``_pick``, but never both workers of a pair in ``pairs``: workers in no such pair
     first (in pick order), then the fewest needed of the others, found by a bounded search
     (fewest conflicts first); None when no such gang exists (or none was found in bounds)."""
-    order = [w for kind in group.kinds if kind not in exclude for w in pool.slots[kind].ids]
+    screen = _screened(group, pool, need)
+    order = [
+        w
+        for kind in group.kinds
+        if kind not in exclude
+        for w in pool.slots[kind].ids
+        if not (screen and pool.private_blocked(w))
+    ]
     here = set(order)
     conflicts: dict[str, set[str]] = {}
     for pair in pairs:

@@ -85,6 +85,10 @@ class PoolIndex:
         self.kind_of: dict[str, WorkerKind] = {}
         self.not_idle: dict[WorkerState, int] = {}
         self.version = 0  # moves on every take/give_back: what was explained before is stale
+        # Private addresses held by gangs on the private path (running, or placed in this
+        # pass): a gang's rules tell members from others by address, so no other gang may
+        # take the private path on a worker at one of them (IPCollision). Loopback never.
+        self.private_taken: set[str] = set()
         views = [w if isinstance(w, WorkerView) else WorkerView(inventory=w) for w in workers]
         for view in sorted(views, key=lambda v: v.id):
             if view.state is WorkerState.IDLE:
@@ -123,6 +127,19 @@ class PoolIndex:
             del slot.ids[wid]
             slot.in_use += 1
             self.not_idle[WorkerState.RESERVED] = self.not_idle.get(WorkerState.RESERVED, 0) + 1
+
+    def hold_private(self, addresses: Iterable[str | None]) -> None:
+        """A gang across hosts holds these private addresses (see ``private_taken``)."""
+        self.version += 1
+        for address in addresses:
+            if address and not address.startswith("127.") and address != "::1":
+                self.private_taken.add(address)
+
+    def private_blocked(self, worker_id: str) -> bool:
+        """Whether the worker's private address is another gang's (see ``private_taken``)."""
+        if not self.private_taken:
+            return False
+        return self.inventory[worker_id].network.private_address in self.private_taken
 
     def give_back(self, worker_ids: Iterable[str]) -> None:
         """Return reserved workers to the idle index (a placement that was not applied)."""

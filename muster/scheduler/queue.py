@@ -67,6 +67,8 @@ def schedule(
         outcome = place_gang(job.spec, pool, exclude=held, paths=paths, apart=job.apart)
         if isinstance(outcome, Placement):
             pool.take(outcome.worker_ids)
+            if outcome.path is PathClass.PRIVATE and len(outcome.members) > 1:
+                pool.hold_private(m.network.private_address for m in outcome.members)
         else:
             free = place_gang(job.spec, pool, paths=paths, apart=job.apart)
             if held and isinstance(free, Placement):

@@ -154,3 +154,30 @@ def test_two_direct_gangs_on_shared_hosts_cannot_reach_each_other(rig: Rig, tmp_
     ):
         assert time.monotonic() < deadline, "a rule or a rank group outlived the jobs"
         time.sleep(0.2)
+
+
+def test_a_host_running_a_private_gang_gives_the_next_gang_the_direct_path(
+    rig: Rig, tmp_path: Path
+) -> None:
+    """On one private network, two agents per host: gang A takes the private path on h1 and
+    h2; gang B, on the same hosts' other agents, cannot (the rules tell members by address,
+    and the hosts' addresses are A's): it is placed on the direct path, and both succeed."""
+    needs("wg", "wireguard-go", "nft")
+    h1, h2 = rig.one_region(2)
+    ctl = rig.hosts["ctl"]
+    rig.start_controller(ctl)
+    for host in (h1, h2):
+        rig.start_agent(host, worker=f"{host.name}a")
+    rig.wait_for_workers(["h1a", "h2a"])
+    gang_a = submit_and_wait_ready(rig, ctl, tmp_path, "ga")
+    for host in (h1, h2):
+        rig.start_agent(host, worker=f"{host.name}b")
+    rig.wait_for_workers(["h1b", "h2b"])
+    gang_b = submit_and_wait_ready(rig, ctl, tmp_path, "gb")
+    assert gang_a["path_class"] == "private"
+    assert gang_b["path_class"] == "direct"
+    assert {m["worker"] for m in gang_b["members"]} == {"h1b", "h2b"}
+    (tmp_path / "release").write_text("")
+    for job in (gang_a, gang_b):
+        done = rig.wait_done(job["id"], timeout=120)
+        assert done["state"] == "succeeded", (done["root_cause"], done["events"])

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from muster.scheduler import Placement, PoolIndex, Unplaceable, WorkerKind, kind_problem, place_gang
 from muster.scheduler.linear import linear_place
 from muster.scheduler.place import Need
+from muster.scheduler.queue import QueuedJob, schedule
 from muster.spec import PathClass, WorkerState, WorkerView, parse_job
 from tests.scheduler.workers import busy, gang, idle, worker
 
@@ -351,3 +352,55 @@ def test_placement_properties(
     shuffled = list(views)
     rnd.shuffle(shuffled)
     assert place(job, shuffled) == outcome, "deterministic whatever the snapshot order"
+
+
+def _at(wid: str, address: str, *, device: bool = True) -> Any:
+    w = worker(wid, private="vpc-1", device=device)
+    return w.model_copy(
+        update={"network": w.network.model_copy(update={"private_address": address})}
+    )
+
+
+def test_a_private_address_serves_one_gang_the_next_goes_elsewhere_or_waits() -> None:
+    """Two agents on one host share its private address: the gang rules tell members by
+    address, so a host running a private gang takes no second one on the private path
+    (IPCollision). The next gang takes other hosts, the direct path, or waits saying why."""
+    views = idle(_at("a2", "10.0.0.1"), _at("b2", "10.0.0.2"), _at("c1", "10.0.0.3"))
+    pool = PoolIndex(views)
+    assert placed(gang(2), views).worker_ids == ("a2", "b2")  # nothing held: the first two
+    pool.hold_private(["10.0.0.1", "10.0.0.2"])  # a gang runs on a1 and b1
+    result = place_gang(parse_job(gang(2)), pool)
+    assert isinstance(result, Placement)
+    assert result.path is PathClass.DIRECT  # not private: only c1 is free there
+    # Nothing but the private path allowed: it waits, and says so.
+    private_only = PoolIndex(
+        idle(_at("a2", "10.0.0.1", device=False), _at("c1", "10.0.0.3", device=False))
+    )
+    private_only.hold_private(["10.0.0.1", "127.0.0.1"])  # loopback is never held
+    assert private_only.private_taken == {"10.0.0.1"}
+    waits = place_gang(parse_job(gang(2)), private_only)
+    assert isinstance(waits, Unplaceable)
+    assert "IPCollision: 1 idle worker(s)" in waits.reason
+
+
+def test_a_private_gang_placed_in_a_pass_holds_its_addresses_for_the_rest_of_it() -> None:
+    views = idle(
+        _at("a1", "10.0.0.1"), _at("b1", "10.0.0.2"), _at("a2", "10.0.0.1"), _at("c1", "10.0.0.3")
+    )
+    first = QueuedJob("j1", parse_job(gang(2)), 1)
+    second = QueuedJob("j2", parse_job(gang(2)), 2)
+    decisions = schedule([first, second], PoolIndex(views))
+    one, two = (d.outcome for d in decisions)
+    assert isinstance(one, Placement)
+    assert isinstance(two, Placement)
+    assert (one.path, one.worker_ids) == (PathClass.PRIVATE, ("a1", "a2"))
+    assert (two.path, two.worker_ids) == (PathClass.PRIVATE, ("b1", "c1"))
+    views = idle(_at("a1", "10.0.0.1"), _at("b1", "10.0.0.2"), _at("a2", "10.0.0.1"),
+                 _at("b2", "10.0.0.2"))  # fmt: skip
+    three = QueuedJob("j3", parse_job(gang(3)), 3)
+    four = QueuedJob("j4", parse_job(gang(1)), 4)
+    decisions = schedule([three, four], PoolIndex(views))
+    big, small = (d.outcome for d in decisions)
+    assert isinstance(big, Placement)
+    assert big.path is PathClass.PRIVATE
+    assert isinstance(small, Placement)  # a gang of one needs no network: never held
