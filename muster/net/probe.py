@@ -14,6 +14,10 @@ receiver counts bytes until EOF and answers the count and the nanoseconds from i
 its last byte (8 bytes big-endian each): the rate is the receiver's, without the connection's
 set-up and the final round trip.
 
+A throughput sample is copied in a thread at each end (blocking sockets, 1 MiB blocks): the
+event loop would cap it near what one asyncio loop copies. Cancelling either end, or closing
+the listener, shuts the sample's socket down, which wakes its thread.
+
 The listener is bounded: at most MAX_CONNECTIONS at once, each for at most its deadline, all
 of them cut when it closes (when the member is assigned or stopped, or its lifetime ends).
 """
@@ -69,6 +73,7 @@ class ProbeListener:
         self.refused = 0  # connections cut for a wrong token
         self._closer: asyncio.TimerHandle | None = None
         self._open: set[asyncio.StreamWriter] = set()
+        self._samples: set[socket.socket] = set()  # throughput samples' sockets (threads)
 
     async def start(self, address: str, lifetime: float = LISTEN_FOR_S, token: bytes = b"") -> int:
         await self.close()
@@ -96,6 +101,8 @@ class ProbeListener:
         for writer in list(self._open):  # Server.close leaves accepted connections open
             writer.transport.abort()
         self._open.clear()
+        for sock in list(self._samples):  # a sample's thread holds a copy of its socket
+            _cut(sock)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if len(self._open) >= MAX_CONNECTIONS:
@@ -129,26 +136,53 @@ class ProbeListener:
             # carries). What the stream reader holds already is set-up, not sample.
             if isinstance(writer.transport, asyncio.ReadTransport):
                 writer.transport.pause_reading()
-            raw = writer.get_extra_info("socket")
-            sock = raw.dup()
+            sock = writer.get_extra_info("socket").dup()  # _receive closes it
+            self._samples.add(sock)
             try:
                 answer = await asyncio.to_thread(_receive, sock, CONNECTION_FOR_S)
+            except asyncio.CancelledError:
+                _cut(sock)  # the thread wakes, and ends
+                raise
             finally:
-                sock.close()
+                self._samples.discard(sock)
             writer.write(answer)
             await writer.drain()
 
 
+def _cut(sock: socket.socket) -> None:
+    """Wake a thread blocked on ``sock`` (it then ends and closes it)."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+
+
+async def _socket_to(address: str, port: int) -> socket.socket:
+    """A connected socket carrying the probe's mark (the gang's rules let it into the
+    network), to the first of the address's resolutions that answers."""
+    loop = asyncio.get_running_loop()
+    found = await asyncio.wait_for(
+        loop.getaddrinfo(address, port, type=socket.SOCK_STREAM), CONNECT_TIMEOUT_S
+    )
+    error: OSError = OSError(f"{address} resolves to no address")
+    for family, kind, proto, _name, where in found:
+        sock = socket.socket(family, kind, proto)
+        with contextlib.suppress(OSError):  # no CAP_NET_ADMIN: then there are no rules either
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, PROBE_MARK)
+        sock.setblocking(False)
+        try:
+            await asyncio.wait_for(loop.sock_connect(sock, where), CONNECT_TIMEOUT_S)
+            return sock
+        except OSError as exc:
+            sock.close()
+            error = exc
+        except BaseException:
+            sock.close()
+            raise
+    raise error
+
+
 async def _connect(address: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """A connection carrying the probe's mark (the gang's rules let it into the network)."""
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    with contextlib.suppress(OSError):  # no CAP_NET_ADMIN: then there are no rules either
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, PROBE_MARK)
-    sock.setblocking(False)
+    sock = await _socket_to(address, port)
     try:
-        loop = asyncio.get_running_loop()
-        await asyncio.wait_for(loop.sock_connect(sock, (address, port)), CONNECT_TIMEOUT_S)
         return await asyncio.open_connection(sock=sock)
     except BaseException:
         sock.close()
@@ -209,31 +243,29 @@ async def _echo(address: str, port: int, token: bytes) -> float:
 def _receive(sock: socket.socket, limit: float) -> bytes:
     """The receiving end of a throughput sample: count bytes until EOF (or ``limit``), timed
     from the end of the first read to the end of the last (the steady part, without set-up
-    and the final round trip); the 16-byte answer."""
-    sock.settimeout(CONNECT_TIMEOUT_S)
-    view = memoryview(bytearray(CHUNK))
-    count, first, last = 0, 0, 0
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        n = sock.recv_into(view)
-        if not n:
-            break
-        last = time.perf_counter_ns()
-        if first:
-            count += n
-        else:
-            first = last
+    and the final round trip); the 16-byte answer. Closes ``sock``."""
+    with sock:
+        sock.settimeout(CONNECT_TIMEOUT_S)
+        view = memoryview(bytearray(CHUNK))
+        count, first, last = 0, 0, 0
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline:
+            n = sock.recv_into(view)
+            if not n:
+                break
+            last = time.perf_counter_ns()
+            if first:
+                count += n
+            else:
+                first = last
     return count.to_bytes(8, "big") + (last - first).to_bytes(8, "big")
 
 
-def _send(address: str, port: int, seconds: float, token: bytes) -> float:
-    """The sending end, on a blocking socket in a thread (see :func:`_receive`)."""
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        with contextlib.suppress(OSError):  # (see _connect)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, PROBE_MARK)
+def _send(sock: socket.socket, seconds: float, token: bytes) -> float:
+    """The sending end, on the connected ``sock`` in a thread (see :func:`_receive`);
+    closes it."""
+    with sock:
         sock.settimeout(CONNECT_TIMEOUT_S)
-        sock.connect((address, port))
         sock.sendall(b"t" + token)
         block = memoryview(bytes(CHUNK))
         start = time.perf_counter()
@@ -257,7 +289,12 @@ def _send(address: str, port: int, seconds: float, token: bytes) -> float:
 
 
 async def _throughput(address: str, port: int, seconds: float, token: bytes) -> float:
-    return await asyncio.to_thread(_send, address, port, seconds, token)
+    sock = await _socket_to(address, port)
+    try:
+        return await asyncio.to_thread(_send, sock, seconds, token)
+    except asyncio.CancelledError:
+        _cut(sock)  # the thread wakes, and ends (it closes the socket)
+        raise
 
 
 async def probe_peers(

@@ -123,3 +123,47 @@ def test_rules_are_skipped_not_fatal_for_a_member_advertised_by_host_name(
         assert network.firewall.gangs == {}
 
     asyncio.run(scenario())
+
+
+def test_closing_the_listener_cuts_a_throughput_sample_in_flight() -> None:
+    """A sample is copied in threads; closing the listener (the member assigned or stopped)
+    must end it at once, not when the sender's clock runs out."""
+
+    async def scenario() -> None:
+        listener = ProbeListener()
+        port = await listener.start("127.0.0.1")
+        sample = asyncio.create_task(measure(1, "127.0.0.1", port, 20.0))
+        await asyncio.sleep(1.5)  # readiness, echo, then well into the 20 s sample
+        started = asyncio.get_running_loop().time()
+        await listener.close()
+        result = await asyncio.wait_for(sample, 10)
+        assert asyncio.get_running_loop().time() - started < 8
+        assert result.gbps is None
+        assert result.error is not None
+
+    asyncio.run(scenario())
+
+
+def test_a_cancelled_probe_leaves_no_sending_thread_behind() -> None:
+    """probe_peers' bound cancels a sample: its sending thread ends with it (the agent's
+    exit never waits for a sample nobody wants)."""
+
+    async def scenario() -> float:
+        listener = ProbeListener()
+        port = await listener.start("127.0.0.1")
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        results = await probe_peers([(1, "127.0.0.1", port)], 30.0, 2.0)
+        assert "did not finish within 2s" in str(results[0].error)
+        await listener.close()
+        return loop.time() - started
+
+    began = asyncio.new_event_loop()
+    try:
+        took = began.run_until_complete(scenario())
+        t0 = began.time()
+        began.run_until_complete(began.shutdown_default_executor())  # joins the threads
+        assert began.time() - t0 < 5, "a probe thread outlived its bound"
+        assert took < 5
+    finally:
+        began.close()
