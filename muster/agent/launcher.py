@@ -150,12 +150,11 @@ class MemberRun:
         if self.group is not None and not await asyncio.to_thread(
             cgroup.member_of, self.proc.pid, self.group
         ):
-            log.warning(
-                "job %s: torchrun did not start in its group %s: the ranks' ports stay open "
-                "to non-members",
-                self.job,
-                self.group.path,
-            )
+            # The gang's rules are keyed on the group: outside it the ranks' own connections
+            # into the gang's network would be dropped, and the job would hang. Fail it now.
+            why = f"torchrun did not start in its cgroup {self.group.path}"
+            log.error("job %s: %s", self.job, why)
+            self.stopping = self.stopping or why
         reaper = asyncio.create_task(self._reaper(self.proc.pid))
         await self.send(Kind.MEMBER_STARTED, {**self.ids(), "pid": self.proc.pid})
         if self.stopping:
@@ -366,13 +365,31 @@ def unpack_bundle(data: bytes, dest: Path) -> None:
         raise InfrastructureError(f"the bundle is unsafe to unpack: {exc}") from exc
 
 
+# Capabilities a gang's ranks lose where the gang's rules guard them: CAP_NET_ADMIN (change
+# the rules, set the probe's mark) and CAP_NET_RAW (set a mark since Linux 5.17).
+RANK_DROPS = (12, 13)
+PR_CAPBSET_DROP, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 24, 47, 4
+
+
 def _before_exec(group: RankGroup | None) -> Callable[[], None]:
     def before() -> None:
         _term_with_parent()
         if group is not None:
             cgroup.join(group.procs)
+            _drop_net_caps()
 
     return before
+
+
+def _drop_net_caps() -> None:
+    """In the child before exec: torchrun and its ranks never hold the network capabilities
+    the agent needs (nor any ambient one it was given). Dropping from the bounding set takes
+    CAP_SETPCAP: an agent without it runs as a user whose children hold none of these."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+        for cap in RANK_DROPS:
+            libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0)
 
 
 def _term_with_parent() -> None:

@@ -240,9 +240,11 @@ class GangNetwork:
                 self.groups = cgroup.RankGroups(found, self.firewall_id)
         if self.groups is not None:
             try:
-                gone = await asyncio.to_thread(self.groups.sweep)
+                gone, stuck = await asyncio.to_thread(self.groups.sweep)
                 if gone:
                     log.info("removed the rank groups of an earlier run: %s", ", ".join(gone))
+                if stuck:
+                    log.warning("could not remove rank groups: %s", "; ".join(stuck))
             except Exception:
                 log.exception("sweeping the rank groups under %s", self.groups.parent)
         self.no_rules = await asyncio.to_thread(firewall.unavailable)
@@ -314,9 +316,29 @@ class GangNetwork:
             mesh = str(ipaddress.ip_network(f"{addresses[node]}/{MESH_PREFIX}", strict=False))
         try:
             async with self._rules:
-                await asyncio.to_thread(
-                    self.firewall.open, job, epoch, port, addresses, group, mesh
-                )
+                try:
+                    await asyncio.to_thread(
+                        self.firewall.open, job, epoch, port, addresses, group, mesh
+                    )
+                except RuntimeError as exc:
+                    if group is None:
+                        raise
+                    # This kernel or nft cannot match sockets by cgroup (Linux 5.13, nft
+                    # 1.0): node 0's port by number, as before, and no more groups.
+                    log.warning(
+                        "the ranks' own ports stay open to non-members: the rule by cgroup "
+                        "did not load (%s); only node 0's rendezvous port is closed to them",
+                        exc,
+                    )
+                    made, self.groups = self.groups, None
+                    self.no_groups, self.said_no_groups = str(exc), True
+                    self.rank_groups.pop(job, None)
+                    if made is not None:
+                        await asyncio.to_thread(made.remove, group)
+                    group = None
+                    if port is None:
+                        return None
+                    await asyncio.to_thread(self.firewall.open, job, epoch, port, addresses)
         except Exception as exc:  # the job still runs; its ports are open as without rules
             log.warning("job %s: could not close its ports to non-members: %s", job, exc)
             return group

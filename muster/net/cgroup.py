@@ -17,7 +17,10 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import os
+import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -42,7 +45,14 @@ class RankGroup:
         return self.path / "cgroup.procs"
 
 
-def _hierarchy(mountinfo: str, cgroup: str) -> Hierarchy | str:
+def _is_root(mount: Path) -> bool:
+    """Whether the mounted group is the hierarchy's root: only other groups have a type."""
+    return not (mount / "cgroup.type").exists()
+
+
+def _hierarchy(
+    mountinfo: str, cgroup: str, is_root: Callable[[Path], bool] = _is_root
+) -> Hierarchy | str:
     """From /proc/self/mountinfo and /proc/self/cgroup: the v2 hierarchy, or why not."""
     own = next((line[3:] for line in cgroup.splitlines() if line.startswith("0::")), None)
     if own is None:
@@ -63,7 +73,10 @@ def _hierarchy(mountinfo: str, cgroup: str) -> Hierarchy | str:
     under = [p for p in whole if p == NFT_BASE or NFT_BASE in p.parents]
     if not under:
         return f"the cgroup v2 hierarchy is mounted at {whole[0]}, not under {NFT_BASE}"
-    return Hierarchy(mount=min(under, key=lambda p: len(p.parts)), own=PurePosixPath(own))
+    mount = min(under, key=lambda p: len(p.parts))
+    if not is_root(mount):  # a cgroup namespace's root, shown as "/"
+        return "only part of the cgroup v2 hierarchy is visible here (a cgroup namespace)"
+    return Hierarchy(mount=mount, own=PurePosixPath(own))
 
 
 def locate() -> Hierarchy | str:
@@ -110,22 +123,36 @@ class RankGroups:
             except OSError as exc:
                 if exc.errno != errno.EBUSY or time.monotonic() > deadline:
                     raise
-            if killed == 0:
-                with contextlib.suppress(OSError):
-                    killed = len(group.procs.read_text().split())
-                with contextlib.suppress(OSError):  # cgroup.kill: Linux 5.14 and later
-                    (group.path / "cgroup.kill").write_text("1")
+            pids = []
+            with contextlib.suppress(OSError):
+                pids = [int(p) for p in group.procs.read_text().split()]
+            killed = max(killed, len(pids))
+            try:  # Linux 5.14 and later: the whole group at once
+                (group.path / "cgroup.kill").write_text("1")
+            except OSError:
+                for pid in pids:
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGKILL)
             time.sleep(0.05)
 
-    def sweep(self) -> list[str]:
-        """Remove every group of this agent (a crashed run's); returns their names."""
-        removed = []
-        with contextlib.suppress(OSError):
-            for path in self.parent.iterdir():
-                if path.is_dir() and path.name.startswith(self.prefix):
-                    self.remove(RankGroup(path, "", 0))
-                    removed.append(path.name)
-        return removed
+    def sweep(self) -> tuple[list[str], list[str]]:
+        """Remove every group of this agent (a crashed run's): the names removed, and
+        those that could not be (each with why)."""
+        removed: list[str] = []
+        failed: list[str] = []
+        try:
+            paths = [p for p in self.parent.iterdir() if p.name.startswith(self.prefix)]
+        except OSError as exc:
+            return removed, [f"{self.parent}: {exc}"]
+        for path in paths:
+            if not path.is_dir():
+                continue
+            try:
+                self.remove(RankGroup(path, "", 0))
+                removed.append(path.name)
+            except OSError as exc:
+                failed.append(f"{path.name}: {exc}")
+        return removed, failed
 
 
 def join(procs: Path) -> None:

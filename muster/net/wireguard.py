@@ -57,6 +57,13 @@ def claim_device(name: str | None = None) -> tuple[str, socket.socket]:
             raise UserError(
                 f"--device {candidate!r}: an interface name is 1-15 letters, digits, '_.-'"
             )
+        if foreign_interface(candidate):
+            if name:
+                raise UserError(
+                    f"--device {name}: this host has an interface of that name that is not "
+                    "a WireGuard device; pick a name no interface has"
+                )
+            continue
         claim = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             claim.bind(f"\0muster-device:{candidate}")
@@ -73,6 +80,20 @@ def claim_device(name: str | None = None) -> tuple[str, socket.socket]:
         f"every device name muster0..muster{DEVICE_CHOICES - 1} is used by another muster "
         "agent on this host: give this agent --device NAME"
     )
+
+
+def foreign_interface(name: str) -> bool:
+    """Whether ``name`` is an interface here that is neither WireGuard (kernel) nor TUN
+    (wireguard-go): someone else's, which muster must never remove."""
+    where = Path("/sys/class/net") / name
+    if not where.exists():
+        return False
+    if (where / "tun_flags").exists():
+        return False
+    try:
+        return "DEVTYPE=wireguard" not in (where / "uevent").read_text()
+    except OSError:
+        return True
 
 
 @dataclass(frozen=True)
@@ -160,6 +181,11 @@ class Device:
     def up(self, address: str, prefix: int, listen_port: int = 0) -> None:
         """Create the device with ``address/prefix``, a fresh key, listening on UDP
         ``listen_port`` (0: a random one)."""
+        if foreign_interface(self.name):
+            raise InfrastructureError(
+                f"{self.name} is an interface of this host that is not a WireGuard device; "
+                "muster does not touch it: give the agent another --device"
+            )
         self.down()  # whatever an earlier epoch (or a crashed agent) left
         private, self.public_key = keypair()
         if kernel_wireguard():
@@ -226,9 +252,10 @@ class Device:
         return {key: where for key, where in (line.split() for line in out.splitlines())}
 
     def down(self) -> None:
-        """Remove the device (and so wireguard-go); never raises."""
+        """Remove the device (and so wireguard-go); never raises. An interface of that name
+        that is not a WireGuard (or TUN) device is never removed."""
         with contextlib.suppress(Exception):
-            if Path(f"/sys/class/net/{self.name}").exists():
+            if Path(f"/sys/class/net/{self.name}").exists() and not foreign_interface(self.name):
                 _run("ip", "link", "delete", self.name)
         if self.process is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):

@@ -11,11 +11,12 @@ HYBRID = (
     "33 31 0:28 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory\n"
     "41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw\n"
 )
+ROOT = lambda mount: True  # noqa: E731 (the mounted group is the hierarchy's root)
 UNIFIED = "30 25 0:27 / /sys/fs/cgroup rw,nosuid,nodev - cgroup2 cgroup2 rw,nsdelegate\n"
 
 
 def test_a_hybrid_host_uses_the_unified_mount_and_nft_names_the_path_under_sys_fs_cgroup() -> None:
-    found = _hierarchy(HYBRID, "4:memory:/x\n0::/\n")
+    found = _hierarchy(HYBRID, "4:memory:/x\n0::/\n", ROOT)
     assert found == Hierarchy(Path("/sys/fs/cgroup/unified"), PurePosixPath("/"))
     group = RankGroups(found, "w1").group("gabc")
     assert group.path.parent == Path("/sys/fs/cgroup/unified")
@@ -26,7 +27,7 @@ def test_a_hybrid_host_uses_the_unified_mount_and_nft_names_the_path_under_sys_f
 
 
 def test_a_service_cgroup_puts_the_group_beside_the_agent_one_level_down() -> None:
-    found = _hierarchy(UNIFIED, "0::/system.slice/muster-agent.service\n")
+    found = _hierarchy(UNIFIED, "0::/system.slice/muster-agent.service\n", ROOT)
     assert isinstance(found, Hierarchy)
     group = RankGroups(found, "w1").group("gabc")
     assert group.path.parent == Path("/sys/fs/cgroup/system.slice/muster-agent.service")
@@ -43,3 +44,7 @@ def test_no_usable_hierarchy_says_why() -> None:
     assert "cgroup namespace" in str(_hierarchy(namespaced, "0::/\n"))
     elsewhere = UNIFIED.replace("/sys/fs/cgroup", "/mnt/cg")
     assert "not under /sys/fs/cgroup" in str(_hierarchy(elsewhere, "0::/\n"))
+    # A container's own cgroup namespace shows its group as "/" in both files: only the
+    # mounted group's type gives it away.
+    contained = _hierarchy(UNIFIED, "0::/\n", lambda mount: False)
+    assert "cgroup namespace" in str(contained)

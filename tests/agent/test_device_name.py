@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from muster.errors import UserError
-from muster.net.wireguard import claim_device
+from muster.errors import InfrastructureError, UserError
+from muster.net.wireguard import Device, claim_device
 
 
 def test_a_second_claim_takes_the_next_free_name_and_a_taken_name_is_refused() -> None:
@@ -38,3 +40,14 @@ def test_a_name_linux_would_refuse_is_refused_by_name(name: str) -> None:
         return
     with pytest.raises(UserError, match="an interface name is 1-15"):
         claim_device(name)
+
+
+def test_a_name_another_interface_has_is_never_claimed_nor_removed() -> None:
+    """`--device lo` (or eth0, docker0): the agent refuses it at start, and a device made
+    under that name would never delete the host's interface."""
+    with pytest.raises(UserError, match="--device lo: this host has an interface"):
+        claim_device("lo")
+    with pytest.raises(InfrastructureError, match="lo is an interface of this host"):
+        Device("lo").up("100.64.0.1", 22)
+    Device("lo").down()
+    assert Path("/sys/class/net/lo").exists()

@@ -135,6 +135,15 @@ def test_two_direct_gangs_on_shared_hosts_cannot_reach_each_other(rig: Rig, tmp_
             for source in (h1, h2):
                 got = connect_from(rig, source, b_group[source.name], addr, port)
                 assert got.startswith("refused"), (source.name, addr, port, got)
+    # The ranks cannot forge the probe's mark nor change the rules: no CAP_NET_ADMIN, no
+    # CAP_NET_RAW, although the agent (root here) has both.
+    for host in (h1, h2):
+        for pid in rig.run(host, "cat", f"{a_group[host.name]}/cgroup.procs").stdout.split():
+            status = rig.run(host, "cat", f"/proc/{pid}/status", check=False).stdout
+            effective = re.search(r"CapEff:\s+([0-9a-f]+)", status)
+            if effective is None:  # it ended meanwhile
+                continue
+            assert int(effective.group(1), 16) & (1 << 12 | 1 << 13) == 0, status
     for host in (h1, h2):  # what was dropped was counted on gang A's agents
         table = firewall.table_name(f"{host.name}a")
         rules = rig.run(host, "nft", "list", "chain", "inet", table, "output").stdout
