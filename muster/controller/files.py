@@ -14,6 +14,9 @@ from muster.errors import BadRequest, NotFound, TooLarge
 
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
+# What a job id can be (muster.store.jobs.new_job_id: the job's name, "-", 10 hex digits).
+JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,79}")
+
 
 class FileStore:
     """``bundles/<sha256>.tar.gz`` and ``artifacts/<job>/node<r>/<path>`` under one root."""
@@ -50,6 +53,8 @@ class FileStore:
         return digest, size
 
     def artifact_path(self, job_id: str, node_rank: int, rel: str) -> Path:
+        if not JOB_ID.fullmatch(job_id):  # never a path of its own ("..", too long, ...)
+            raise NotFound(f"there is no job {job_id[:80]!r}")
         clean = safe_relative(rel)
         return self.root / "artifacts" / job_id / f"node{node_rank}" / clean
 
@@ -69,8 +74,12 @@ class FileStore:
 
     def open_artifact(self, job_id: str, node_rank: int, rel: str) -> Path:
         path = self.artifact_path(job_id, node_rank, rel)
-        if not path.is_file():
-            raise NotFound(f"job {job_id} has no artifact node{node_rank}/{rel}")
+        try:
+            found = path.is_file()
+        except OSError:  # a name longer than the file system takes, say: no such file
+            found = False
+        if not found:
+            raise NotFound(f"job {job_id} has no artifact node{node_rank}/{rel[:200]}")
         return path
 
 

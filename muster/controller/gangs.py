@@ -71,7 +71,7 @@ from muster.gang import (
 )
 from muster.gang.lifecycle import probe_budget
 from muster.plan import MESH_GANGS, MESH_MAX_NODES, MESH_PREFIX, gang_addressing, mesh_address
-from muster.scheduler import Placement, PoolIndex, QueuedJob, schedule
+from muster.scheduler import IP_COLLISION, Placement, PoolIndex, QueuedJob, schedule
 from muster.spec import (
     MESH_INTERFACE,
     JobSpec,
@@ -534,10 +534,28 @@ class Controller:
                     )
         due = self._why_due(pending)
         if due:
+            # A gang kept off the private path by another gang's addresses says so in its
+            # GangReady condition too, as Kubernetes writes one, when that starts.
+            collided = [
+                ConditionWrite(job_id, "GangReady", False, IP_COLLISION, clause)
+                for job_id, reason in due.items()
+                if (clause := self._new_collision(job_id, reason))
+            ]
+            if collided:
+                self.writer.submit(collided)
             # One transaction, and only the reasons that changed are written.
             await self.db(self.store.set_why_pending_many, due)
             written = time.monotonic()
             self._why.update((job_id, (reason, written)) for job_id, reason in due.items())
+
+    def _new_collision(self, job_id: str, reason: str | None) -> str | None:
+        """The IPCollision clause of a reason whose last written one had none, or None."""
+        if reason is None or IP_COLLISION not in reason:
+            return None
+        last = self._why.get(job_id)
+        if last is not None and last[0] is not None and IP_COLLISION in last[0]:
+            return None
+        return reason[reason.index(IP_COLLISION) :]
 
     def _why_due(self, pending: dict[str, str | None]) -> dict[str, str | None]:
         """The reasons to write now: new kinds at once, moved counts every few seconds."""

@@ -267,6 +267,7 @@ def _available(
 
 
 ALL_PATHS = frozenset(PathClass)
+IP_COLLISION = "IPCollision"  # the clause of a reason, and the GangReady reason it sets
 
 
 def place_gang(
@@ -330,7 +331,7 @@ def place_gang(
         collided = _collisions(index, pool, exclude) if need.workers > 1 else 0
         if collided:
             reason += (
-                f"; IPCollision: {collided} idle worker(s) on a private network share an "
+                f"; {IP_COLLISION}: {collided} idle worker(s) on a private network share an "
                 "address with a gang running on the private path there (one gang per address)"
             )
         found = cache[key] = Unplaceable(reason, ruled_out)

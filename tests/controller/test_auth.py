@@ -197,3 +197,18 @@ def test_uploads_over_the_limit_get_413_naming_the_flag(store: Store, tmp_path: 
         assert answer.status_code == 413
         assert list((tmp_path / "artifacts" / "bundles").iterdir()) == []
         assert client.post("/v1/bundles", content=b"small").status_code == 201
+
+
+def test_an_artifact_of_a_job_id_no_job_can_have_is_a_404_not_a_crash(
+    store: Store, tmp_path: Path
+) -> None:
+    """Found by the schema fuzzer: a 300-character job id reached the file system
+    (ENAMETOOLONG, HTTP 500); '..' would step out of the artifacts directory."""
+    (tmp_path / "node1").mkdir()
+    (tmp_path / "node1" / "secret").write_text("x")  # what '..' would reach
+    with serve(store, tmp_path, tls=False) as client:
+        for job_id in ("0" * 300, "%2E%2E", "..", "a" + "\u0080" * 120):
+            got = client.get(f"/v1/jobs/{job_id}/artifacts/1/secret")
+            assert got.status_code == 404, (job_id, got.status_code, got.text)
+        long_name = client.get(f"/v1/jobs/job-0123456789/artifacts/1/{'n' * 300}")
+        assert long_name.status_code == 404

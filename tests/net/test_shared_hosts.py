@@ -43,16 +43,26 @@ CONNECT_FROM = (
 )
 
 
-def submit_and_wait_ready(rig: Rig, ctl: Host, tmp_path: Path, name: str) -> dict[str, Any]:
+def submit(rig: Rig, ctl: Host, tmp_path: Path, name: str, release: str = "release") -> str:
     job_dir = tmp_path / name
     job_dir.mkdir()
     (job_dir / "train.py").write_text(HOLD)
     (job_dir / "job.yaml").write_text(
         f"name: {name}\nentrypoint: train.py\ntimeout: 5m\n"
-        f"env: {{RELEASE: '{tmp_path / 'release'}'}}\n"
+        f"env: {{RELEASE: '{tmp_path / release}'}}\n"
         "distributed: {num_workers: 2, procs_per_worker: 1, backend: gloo, probe_seconds: 0}\n"
     )
-    job_id = rig.muster(ctl, "submit", str(job_dir / "job.yaml")).strip()
+    return rig.muster(ctl, "submit", str(job_dir / "job.yaml")).strip()
+
+
+def submit_and_wait_ready(
+    rig: Rig, ctl: Host, tmp_path: Path, name: str, release: str = "release"
+) -> dict[str, Any]:
+    job_id = submit(rig, ctl, tmp_path, name, release)
+    return wait_ready(rig, job_id)
+
+
+def wait_ready(rig: Rig, job_id: str) -> dict[str, Any]:
     deadline = time.monotonic() + 150
     while True:
         job = rig.api("job", job_id)
@@ -190,3 +200,41 @@ def test_a_host_running_a_private_gang_gives_the_next_gang_the_direct_path(
     for job in (gang_a, gang_b):
         done = rig.wait_done(job["id"], timeout=120)
         assert done["state"] == "succeeded", (done["root_cause"], done["events"])
+
+
+def test_a_gang_that_only_the_private_path_could_carry_waits_with_ipcollision_then_runs(
+    rig: Rig, tmp_path: Path
+) -> None:
+    """Container-only hosts (no device: private path or nothing), two agents each: gang B
+    cannot share gang A's addresses, so it waits, saying IPCollision in its reason and its
+    GangReady condition; once A ends it is placed on the private path and runs."""
+    h1, h2 = rig.one_region(2, container_only=["h1", "h2"])
+    ctl = rig.hosts["ctl"]
+    rig.start_controller(ctl)
+    for host in (h1, h2):
+        rig.start_agent(host, worker=f"{host.name}a")
+    rig.wait_for_workers(["h1a", "h2a"])
+    gang_a = submit_and_wait_ready(rig, ctl, tmp_path, "ga", "release-a")
+    for host in (h1, h2):
+        rig.start_agent(host, worker=f"{host.name}b")
+    rig.wait_for_workers(["h1b", "h2b"])
+    b_id = submit(rig, ctl, tmp_path, "gb", "release-b")
+    deadline = time.monotonic() + 60
+    while True:
+        job_b = rig.api("job", b_id)
+        ready = [c for c in job_b["conditions"] if c["type"] == "GangReady"]
+        if ready and "IPCollision" in (job_b["why_pending"] or ""):
+            break
+        assert job_b["state"] == "queued", job_b
+        assert time.monotonic() < deadline, job_b
+        time.sleep(0.5)
+    assert ready[0]["status"] is False or ready[0]["status"] == "False", ready
+    assert ready[0]["reason"] == "IPCollision"
+    assert "2 idle worker(s) on a private network share an address" in ready[0]["message"]
+    (tmp_path / "release-a").write_text("")
+    assert rig.wait_done(gang_a["id"], timeout=120)["state"] == "succeeded"
+    job_b = wait_ready(rig, b_id)
+    assert job_b["path_class"] == "private"
+    (tmp_path / "release-b").write_text("")
+    done = rig.wait_done(b_id, timeout=120)
+    assert done["state"] == "succeeded", (done["root_cause"], done["events"])
