@@ -238,3 +238,51 @@ def test_a_gang_that_only_the_private_path_could_carry_waits_with_ipcollision_th
     (tmp_path / "release-b").write_text("")
     done = rig.wait_done(b_id, timeout=120)
     assert done["state"] == "succeeded", (done["root_cause"], done["events"])
+
+
+def test_an_agent_killed_mid_run_leaves_nothing_running_and_its_next_start_sweeps_the_rest(
+    rig: Rig, tmp_path: Path
+) -> None:
+    """SIGKILL h2's agent while its direct member runs: wireguard-go and torchrun die with it
+    (parent-death signals), so its device and its ranks go at once; the job fails for the
+    lost member. What only the agent could remove (its nftables table, its ranks' cgroup) is
+    swept when the agent starts again."""
+    needs("wg", "wireguard-go", "nft")
+    h1, h2 = rig.two_regions(2)
+    ctl = rig.hosts["ctl"]
+    rig.start_controller(ctl, "--heartbeat-timeout", "4", "--heartbeat-interval", "1")
+    agents = {host.name: rig.start_agent(host) for host in (h1, h2)}
+    rig.wait_for_workers(["h1", "h2"])
+    job = submit_and_wait_ready(rig, ctl, tmp_path, "crash")
+    group = rank_group("h2", job["id"])
+    table = firewall.table_name("h2")
+    assert rig.run(h2, "cat", f"{group}/cgroup.procs").stdout.split()  # ranks run there
+    assert table in rig.run(h2, "nft", "list", "tables").stdout
+    assert "muster0" in rig.run(h2, "ip", "-o", "link", "show").stdout
+
+    agents["h2"].kill()
+    agents["h2"].wait(10)
+    deadline = time.monotonic() + 30
+    while True:
+        links = rig.run(h2, "ip", "-o", "link", "show").stdout
+        left = rig.run(h2, "cat", f"{group}/cgroup.procs", check=False).stdout.split()
+        if "muster0" not in links and not left:
+            break
+        assert time.monotonic() < deadline, (links, left)
+        time.sleep(0.2)
+    done = rig.wait_done(job["id"], timeout=60)
+    assert done["state"] == "failed"
+    assert "node" in done["root_cause"]
+    assert "h2" in done["root_cause"], done["root_cause"]
+    # The crash left the table and the (empty) group: the next start sweeps both.
+    assert table in rig.run(h2, "nft", "list", "tables").stdout
+    rig.start_agent(h2)
+    rig.wait_for_workers(["h2"])
+    deadline = time.monotonic() + 30
+    while (
+        table in rig.run(h2, "nft", "list", "tables").stdout
+        or rig.run(h2, "test", "-e", group, check=False).returncode == 0
+    ):
+        assert time.monotonic() < deadline, "the restarted agent left the crashed run's rules"
+        time.sleep(0.2)
+    wait_no_device_left(rig, (h1, h2), timeout=30)
