@@ -506,6 +506,7 @@ class Agent:
                 watch = asyncio.create_task(self.network.watch_paths(member.ids()))
             try:
                 member.group = await self.network.guard(assignment)
+                member.guarded = job in self.network.firewall.gangs
                 await member.run()
             except Exception as exc:
                 log.exception("member of %s failed", job)

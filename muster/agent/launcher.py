@@ -103,6 +103,7 @@ class MemberRun:
         # The cgroup torchrun starts in (set by the agent for a gang across hosts): the
         # firewall tells the ranks' sockets by it (muster.net.cgroup).
         self.group: RankGroup | None = None
+        self.guarded = False  # the gang's rules guard this member: its ranks lose net caps
 
     def ids(self) -> dict[str, Any]:
         return {"job": self.job, "epoch": self.epoch, "node_rank": self.node}
@@ -145,13 +146,14 @@ class MemberRun:
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             start_new_session=True,
-            preexec_fn=_before_exec(self.group),
+            preexec_fn=_before_exec(self.group, self.guarded),
         )
         if self.group is not None and not await asyncio.to_thread(
             cgroup.member_of, self.proc.pid, self.group
         ):
-            # The gang's rules are keyed on the group: outside it the ranks' own connections
-            # into the gang's network would be dropped, and the job would hang. Fail it now.
+            # The gang's rules are keyed on the group: outside it the ranks would be unguarded
+            # (private path), or their own connections into the gang's mesh dropped and the
+            # job hung (direct path). Fail it now, saying why.
             why = f"torchrun did not start in its cgroup {self.group.path}"
             log.error("job %s: %s", self.job, why)
             self.stopping = self.stopping or why
@@ -369,27 +371,56 @@ def unpack_bundle(data: bytes, dest: Path) -> None:
 # the rules, set the probe's mark) and CAP_NET_RAW (set a mark since Linux 5.17).
 RANK_DROPS = (12, 13)
 PR_CAPBSET_DROP, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 24, 47, 4
+LINUX_CAPABILITY_VERSION_3 = 0x20080522
 
 
-def _before_exec(group: RankGroup | None) -> Callable[[], None]:
+def _before_exec(group: RankGroup | None, guarded: bool) -> Callable[[], None]:
     def before() -> None:
         _term_with_parent()
         if group is not None:
             cgroup.join(group.procs)
+        if guarded:
             _drop_net_caps()
 
     return before
 
 
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [
+        ("effective", ctypes.c_uint32),
+        ("permitted", ctypes.c_uint32),
+        ("inheritable", ctypes.c_uint32),
+    ]
+
+
 def _drop_net_caps() -> None:
     """In the child before exec: torchrun and its ranks never hold the network capabilities
-    the agent needs (nor any ambient one it was given). Dropping from the bounding set takes
-    CAP_SETPCAP: an agent without it runs as a user whose children hold none of these."""
-    with contextlib.suppress(OSError, AttributeError):
+    of the agent. A root child gets, at exec, its inheritable set and its bounding set: both
+    lose them (and the ambient set is cleared). Without CAP_SETPCAP the bounding set cannot
+    shrink: the child says so on stderr (the member's log), and runs on."""
+    try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
-        for cap in RANK_DROPS:
-            libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0)
+        kept = [cap for cap in RANK_DROPS if libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0]
+        header = _CapHeader(LINUX_CAPABILITY_VERSION_3, 0)
+        data = (_CapData * 2)()
+        if libc.capget(ctypes.byref(header), data) == 0:
+            for cap in RANK_DROPS:
+                data[cap // 32].inheritable &= ~(1 << (cap % 32))
+            if libc.capset(ctypes.byref(header), data) != 0:
+                kept = list(RANK_DROPS)
+        if kept and os.geteuid() == 0:
+            os.write(
+                2,
+                b"muster: the ranks keep CAP_NET_ADMIN/CAP_NET_RAW (the agent has no "
+                b"CAP_SETPCAP): they could change the gang's firewall rules\n",
+            )
+    except (OSError, AttributeError):
+        pass
 
 
 def _term_with_parent() -> None:

@@ -321,7 +321,7 @@ class GangNetwork:
                         self.firewall.open, job, epoch, port, addresses, group, mesh
                     )
                 except RuntimeError as exc:
-                    if group is None:
+                    if group is None or "cgroupv2" not in str(exc):
                         raise
                     # This kernel or nft cannot match sockets by cgroup (Linux 5.13, nft
                     # 1.0): node 0's port by number, as before, and no more groups.

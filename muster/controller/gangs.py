@@ -536,26 +536,32 @@ class Controller:
         if due:
             # A gang kept off the private path by another gang's addresses says so in its
             # GangReady condition too, as Kubernetes writes one, when that starts.
-            collided = [
-                ConditionWrite(job_id, "GangReady", False, IP_COLLISION, clause)
+            changed = [
+                write
                 for job_id, reason in due.items()
-                if (clause := self._new_collision(job_id, reason))
+                if (write := self._collision_change(job_id, reason)) is not None
             ]
-            if collided:
-                self.writer.submit(collided)
+            if changed:
+                self.writer.submit(changed)
             # One transaction, and only the reasons that changed are written.
             await self.db(self.store.set_why_pending_many, due)
             written = time.monotonic()
             self._why.update((job_id, (reason, written)) for job_id, reason in due.items())
 
-    def _new_collision(self, job_id: str, reason: str | None) -> str | None:
-        """The IPCollision clause of a reason whose last written one had none, or None."""
-        if reason is None or IP_COLLISION not in reason:
-            return None
+    def _collision_change(self, job_id: str, reason: str | None) -> ConditionWrite | None:
+        """GangReady when a waiting job's IPCollision starts (False, IPCollision) or ends
+        while it still waits (False, Pending, with the new reason); else None."""
+        if reason is None:
+            return None  # placed: the run sets its own conditions
         last = self._why.get(job_id)
-        if last is not None and last[0] is not None and IP_COLLISION in last[0]:
-            return None
-        return reason[reason.index(IP_COLLISION) :]
+        had = last is not None and last[0] is not None and IP_COLLISION in last[0]
+        has = IP_COLLISION in reason
+        if has and not had:
+            clause = reason[reason.index(IP_COLLISION) :]
+            return ConditionWrite(job_id, "GangReady", False, IP_COLLISION, clause)
+        if had and not has:
+            return ConditionWrite(job_id, "GangReady", False, "Pending", reason[:500])
+        return None
 
     def _why_due(self, pending: dict[str, str | None]) -> dict[str, str | None]:
         """The reasons to write now: new kinds at once, moved counts every few seconds."""

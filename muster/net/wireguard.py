@@ -60,8 +60,8 @@ def claim_device(name: str | None = None) -> tuple[str, socket.socket]:
         if foreign_interface(candidate):
             if name:
                 raise UserError(
-                    f"--device {name}: this host has an interface of that name that is not "
-                    "a WireGuard device; pick a name no interface has"
+                    f"--device {name}: this host has an interface of that name that muster "
+                    "did not make; pick a name no interface has"
                 )
             continue
         claim = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -82,16 +82,18 @@ def claim_device(name: str | None = None) -> tuple[str, socket.socket]:
     )
 
 
-def foreign_interface(name: str) -> bool:
-    """Whether ``name`` is an interface here that is neither WireGuard (kernel) nor TUN
-    (wireguard-go): someone else's, which muster must never remove."""
-    where = Path("/sys/class/net") / name
+DEVICE_ALIAS = "muster"  # the interface alias (ifalias) muster gives every device it makes
+SYS_NET = Path("/sys/class/net")
+
+
+def foreign_interface(name: str, sys_net: Path = SYS_NET) -> bool:
+    """Whether ``name`` is an interface here that muster did not make (it carries no muster
+    alias): someone else's (a VPN's wg0, tailscale0, eth0), which muster never removes."""
+    where = sys_net / name
     if not where.exists():
         return False
-    if (where / "tun_flags").exists():
-        return False
     try:
-        return "DEVTYPE=wireguard" not in (where / "uevent").read_text()
+        return not (where / "ifalias").read_text().startswith(DEVICE_ALIAS)
     except OSError:
         return True
 
@@ -183,8 +185,8 @@ class Device:
         ``listen_port`` (0: a random one)."""
         if foreign_interface(self.name):
             raise InfrastructureError(
-                f"{self.name} is an interface of this host that is not a WireGuard device; "
-                "muster does not touch it: give the agent another --device"
+                f"{self.name} is an interface of this host that muster did not make; muster "
+                "does not touch it: give the agent another --device"
             )
         self.down()  # whatever an earlier epoch (or a crashed agent) left
         private, self.public_key = keypair()
@@ -193,6 +195,8 @@ class Device:
         else:
             self._start_wireguard_go()
         try:
+            # Marked as muster's at once: only a device with the mark is ever removed.
+            _run("ip", "link", "set", "dev", self.name, "alias", DEVICE_ALIAS)
             # The private key goes in on stdin: never on a command line, never in a file.
             _run("wg", "set", self.name, "private-key", "/dev/stdin",
                  "listen-port", str(listen_port), input=private + "\n")  # fmt: skip
@@ -200,7 +204,7 @@ class Device:
             _run("ip", "address", "add", f"{address}/{prefix}", "dev", self.name)
             _run("ip", "link", "set", self.name, "mtu", str(MTU), "up")
         except BaseException:
-            self.down()
+            self.down(made=True)
             raise
 
     def _start_wireguard_go(self) -> None:
@@ -224,7 +228,7 @@ class Device:
         deadline = time.monotonic() + START_TIMEOUT_S
         while not socket.exists():
             if self.process.poll() is not None or time.monotonic() > deadline:
-                self.down()
+                self.down(made=True)
                 raise InfrastructureError(
                     f"wireguard-go did not create {self.name} within {START_TIMEOUT_S:.0f}s"
                 )
@@ -251,11 +255,13 @@ class Device:
         out = _run("wg", "show", self.name, "endpoints")
         return {key: where for key, where in (line.split() for line in out.splitlines())}
 
-    def down(self) -> None:
+    def down(self, *, made: bool = False) -> None:
         """Remove the device (and so wireguard-go); never raises. An interface of that name
-        that is not a WireGuard (or TUN) device is never removed."""
+        muster did not make (no muster alias; ``made``: this call's own, not yet marked) is
+        never removed."""
         with contextlib.suppress(Exception):
-            if Path(f"/sys/class/net/{self.name}").exists() and not foreign_interface(self.name):
+            exists = (SYS_NET / self.name).exists()
+            if exists and (made or not foreign_interface(self.name)):
                 _run("ip", "link", "delete", self.name)
         if self.process is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):

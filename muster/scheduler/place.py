@@ -328,7 +328,7 @@ def place_gang(
     found = cache.get(key)
     if found is None:
         reason, ruled_out = _explain(need, pool, index, exclude)
-        collided = _collisions(index, pool, exclude) if need.workers > 1 else 0
+        collided = _collisions(index, pool, exclude, need)
         if collided:
             reason += (
                 f"; {IP_COLLISION}: {collided} idle worker(s) on a private network share an "
@@ -338,20 +338,19 @@ def place_gang(
     return found
 
 
-def _collisions(index: _NeedIndex, pool: PoolIndex, exclude: frozenset[WorkerKind]) -> int:
-    """Idle workers the private path passed over for another gang's address."""
-    if not pool.private_taken:
-        return 0
-    seen = {
-        w
-        for group in index.groups
-        if group.path is PathClass.PRIVATE
-        for kind in group.kinds
-        if kind not in exclude
-        for w in pool.slots[kind].ids
-        if pool.private_blocked(w)
-    }
-    return len(seen)
+def _collisions(
+    index: _NeedIndex, pool: PoolIndex, exclude: frozenset[WorkerKind], need: Need
+) -> int:
+    """The idle workers another gang's addresses took from a private group that would form
+    the gang without them (0 when that is not why it waits)."""
+    most = 0
+    for group in index.groups:
+        if not _screened(group, pool, need):
+            continue
+        whole = _available(group, pool, exclude)
+        if whole >= need.workers > _available(group, pool, exclude, screen=True):
+            most = max(most, whole - _available(group, pool, exclude, screen=True))
+    return most
 
 
 def _pick(

@@ -39,10 +39,10 @@ PLATFORM_ENV_PREFIXES = ("PET_", "MUSTER_")
 
 def dns_label_problem(name: str) -> str | None:
     """Why ``name`` is not an RFC 1123 DNS label, or None when it is one."""
-    if DNS_LABEL.match(name):
+    if DNS_LABEL.fullmatch(name):
         return None
     suggestion = re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-")[:63].strip("-")
-    hint = f"; try {suggestion!r}" if suggestion and DNS_LABEL.match(suggestion) else ""
+    hint = f"; try {suggestion!r}" if suggestion and DNS_LABEL.fullmatch(suggestion) else ""
     return (
         f"{name!r} is not a DNS label: use lowercase letters, digits and '-', "
         f"start and end with a letter or digit, at most 63 characters{hint}"

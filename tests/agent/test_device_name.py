@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from muster.errors import InfrastructureError, UserError
-from muster.net.wireguard import Device, claim_device
+from muster.net.wireguard import Device, claim_device, foreign_interface
 
 
 def test_a_second_claim_takes_the_next_free_name_and_a_taken_name_is_refused() -> None:
@@ -47,7 +47,19 @@ def test_a_name_another_interface_has_is_never_claimed_nor_removed() -> None:
     under that name would never delete the host's interface."""
     with pytest.raises(UserError, match="--device lo: this host has an interface"):
         claim_device("lo")
-    with pytest.raises(InfrastructureError, match="lo is an interface of this host"):
+    with pytest.raises(InfrastructureError, match="lo is an interface of this host that muster"):
         Device("lo").up("100.64.0.1", 22)
     Device("lo").down()
     assert Path("/sys/class/net/lo").exists()
+
+
+def test_only_an_interface_muster_marked_is_its_own(tmp_path: Path) -> None:
+    """A VPN's WireGuard (wg0) or TUN device (tailscale0) is someone else's: only the alias
+    muster sets on the devices it makes lets it reclaim or remove one."""
+    for name, alias in (("wg0", ""), ("tailscale0", "tailscale"), ("muster0", "muster")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "ifalias").write_text(alias + "\n")
+    assert foreign_interface("wg0", tmp_path)
+    assert foreign_interface("tailscale0", tmp_path)
+    assert not foreign_interface("muster0", tmp_path)
+    assert not foreign_interface("muster1", tmp_path)  # no such interface: free
