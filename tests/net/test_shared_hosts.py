@@ -77,6 +77,23 @@ def wait_ready(rig: Rig, job_id: str) -> dict[str, Any]:
         time.sleep(0.5)
 
 
+def gang_a_then_second_agents(
+    rig: Rig, hosts: tuple[Host, Host], tmp_path: Path, release: str = "release"
+) -> tuple[Host, dict[str, Any]]:
+    """The controller, an agent "<host>a" on each host running gang A (ready), then a second
+    agent "<host>b" on each host, idle: the controller's host and gang A."""
+    ctl = rig.hosts["ctl"]
+    rig.start_controller(ctl)
+    for host in hosts:
+        rig.start_agent(host, worker=f"{host.name}a")
+    rig.wait_for_workers([f"{h.name}a" for h in hosts])
+    gang_a = submit_and_wait_ready(rig, ctl, tmp_path, "ga", release)
+    for host in hosts:  # the second agent on each host, for the second gang
+        rig.start_agent(host, worker=f"{host.name}b")
+    rig.wait_for_workers([f"{h.name}b" for h in hosts])
+    return ctl, gang_a
+
+
 def connect_from(rig: Rig, host: Host, group: str, addr: str, port: int | str) -> str:
     done = rig.run(host, "sh", "-c", CONNECT_FROM, "connect", group, addr, str(port))
     return done.stdout.strip()
@@ -98,15 +115,7 @@ def gloo_ports(rig: Rig, host: Host, group: str) -> list[tuple[str, str]]:
 def test_two_direct_gangs_on_shared_hosts_cannot_reach_each_other(rig: Rig, tmp_path: Path) -> None:
     needs("wg", "wireguard-go", "nft")
     h1, h2 = rig.two_regions(2)
-    ctl = rig.hosts["ctl"]
-    rig.start_controller(ctl)
-    for host in (h1, h2):
-        rig.start_agent(host, worker=f"{host.name}a")
-    rig.wait_for_workers(["h1a", "h2a"])
-    gang_a = submit_and_wait_ready(rig, ctl, tmp_path, "ga")
-    for host in (h1, h2):  # the second agent on each host, for the second gang
-        rig.start_agent(host, worker=f"{host.name}b")
-    rig.wait_for_workers(["h1b", "h2b"])
+    ctl, gang_a = gang_a_then_second_agents(rig, (h1, h2), tmp_path)
     gang_b = submit_and_wait_ready(rig, ctl, tmp_path, "gb")
 
     # Each agent claimed a device name of its own on its host, and its ranks bind it.
@@ -184,15 +193,7 @@ def test_a_host_running_a_private_gang_gives_the_next_gang_the_direct_path(
     and the hosts' addresses are A's): it is placed on the direct path, and both succeed."""
     needs("wg", "wireguard-go", "nft")
     h1, h2 = rig.one_region(2)
-    ctl = rig.hosts["ctl"]
-    rig.start_controller(ctl)
-    for host in (h1, h2):
-        rig.start_agent(host, worker=f"{host.name}a")
-    rig.wait_for_workers(["h1a", "h2a"])
-    gang_a = submit_and_wait_ready(rig, ctl, tmp_path, "ga")
-    for host in (h1, h2):
-        rig.start_agent(host, worker=f"{host.name}b")
-    rig.wait_for_workers(["h1b", "h2b"])
+    ctl, gang_a = gang_a_then_second_agents(rig, (h1, h2), tmp_path)
     gang_b = submit_and_wait_ready(rig, ctl, tmp_path, "gb")
     assert gang_a["path_class"] == "private"
     assert gang_b["path_class"] == "direct"
@@ -210,15 +211,7 @@ def test_a_gang_that_only_the_private_path_could_carry_waits_with_ipcollision_th
     cannot share gang A's addresses, so it waits, saying IPCollision in its reason and its
     GangReady condition; once A ends it is placed on the private path and runs."""
     h1, h2 = rig.one_region(2, container_only=["h1", "h2"])
-    ctl = rig.hosts["ctl"]
-    rig.start_controller(ctl)
-    for host in (h1, h2):
-        rig.start_agent(host, worker=f"{host.name}a")
-    rig.wait_for_workers(["h1a", "h2a"])
-    gang_a = submit_and_wait_ready(rig, ctl, tmp_path, "ga", "release-a")
-    for host in (h1, h2):
-        rig.start_agent(host, worker=f"{host.name}b")
-    rig.wait_for_workers(["h1b", "h2b"])
+    ctl, gang_a = gang_a_then_second_agents(rig, (h1, h2), tmp_path, "release-a")
     b_id = submit(rig, ctl, tmp_path, "gb", "release-b")
     deadline = time.monotonic() + 60
     while True:
