@@ -3,8 +3,9 @@
 Each member listens on an ephemeral TCP port on its path address (the private address, or the
 mesh address on the direct path). Then each member measures every peer after it in node order,
 one peer at a time: readiness (three fresh TCP connections), round-trip time (an echo over one
-connection), and a throughput sample (one stream for ``seconds``, counted by the receiver). A
-pair that cannot connect fails the probe, naming the pair.
+connection), and a throughput sample (one stream for at most ``seconds``, ending sooner once
+its rate holds steady; counted by the receiver). A pair that cannot connect fails the probe,
+naming the pair.
 
 Wire protocol on a probe connection: the first byte says what it is for, and the epoch's
 probe token (16 bytes, from the controller) follows it; a connection without the token is
@@ -41,6 +42,13 @@ PROBE_MARK = 0x6D757374
 READINESS_CONNECTIONS = 3
 ECHO_ROUNDS = 10
 CHUNK = 1024 * 1024  # per send and receive call of a throughput sample
+# A sample ends early once its rate holds: the last STEADY_WINDOWS windows of WINDOW_S each
+# within STEADY_SPREAD of their mean, after at least MIN_SAMPLE_S. A link that wanders (a
+# shared or shaped one) is sampled for the whole of the spec's probe_seconds.
+WINDOW_S = 0.25
+STEADY_WINDOWS = 4
+STEADY_SPREAD = 0.05
+MIN_SAMPLE_S = 1.0
 LISTEN_FOR_S = 300.0  # a listener nobody closes goes away after this (PROBE_LISTEN's "for")
 MAX_CONNECTIONS = 64
 CONNECTION_FOR_S = 75.0  # one probe connection at most (the largest sample is 60 s)
@@ -261,18 +269,40 @@ def _receive(sock: socket.socket, limit: float) -> bytes:
     return count.to_bytes(8, "big") + (last - first).to_bytes(8, "big")
 
 
+def steady(rates: list[float]) -> bool:
+    """Whether the last STEADY_WINDOWS window rates all lie within STEADY_SPREAD of their
+    mean: a sample that holds its rate that long ends early."""
+    if len(rates) < STEADY_WINDOWS:
+        return False
+    last = rates[-STEADY_WINDOWS:]
+    mean = sum(last) / len(last)
+    return mean > 0 and all(abs(rate - mean) <= STEADY_SPREAD * mean for rate in last)
+
+
 def _send(sock: socket.socket, seconds: float, token: bytes) -> float:
     """The sending end, on the connected ``sock`` in a thread (see :func:`_receive`);
-    closes it."""
+    closes it. Sends for at most ``seconds``, and stops sooner, after MIN_SAMPLE_S, once
+    the rate is :func:`steady` (windows end on a block boundary, so a window's rate is exact
+    at any link speed; the sender's rate is the receiver's once the socket buffers are
+    full)."""
     with sock:
         sock.settimeout(CONNECT_TIMEOUT_S)
         sock.sendall(b"t" + token)
         block = memoryview(bytes(CHUNK))
         start = time.perf_counter()
         sent = 0
-        while time.perf_counter() - start < seconds:
+        window_start, window_bytes, rates = start, 0, []
+        shortest = min(MIN_SAMPLE_S, seconds)
+        while True:  # at least one block, however short the sample
             sock.sendall(block)
             sent += len(block)
+            window_bytes += len(block)
+            now = time.perf_counter()
+            if now - window_start >= WINDOW_S:
+                rates.append(window_bytes / (now - window_start))
+                window_start, window_bytes = now, 0
+            if now - start >= seconds or (now - start >= shortest and steady(rates)):
+                break  # its time is up, or the rate holds: more would not change the answer
         sock.shutdown(socket.SHUT_WR)
         sock.settimeout(CONNECT_TIMEOUT_S + seconds)
         answer = b""

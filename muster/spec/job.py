@@ -86,11 +86,12 @@ class Distributed(_Model):
     transport: Transport = "direct"
     membership: Membership = "pool"
     probe_seconds: float | None = Field(
-        default=2.0,
+        default=10.0,
         ge=0,
         le=60,
-        description="the probe's throughput sample per pair before the command starts "
-        "(0: readiness and RTT only; null: no probe)",
+        description="the longest throughput sample per pair before the command starts; a "
+        "sample ends sooner once its rate holds steady (0: readiness and RTT only; null: no "
+        "probe)",
     )
 
     @property

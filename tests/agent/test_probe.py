@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from pathlib import Path
 
+import pytest
+
 from muster.agent.network import GangNetwork
-from muster.net.probe import ProbeListener, measure, probe_peers
+from muster.net import probe
+from muster.net.probe import ProbeListener, measure, probe_peers, steady
 
 
 def free_port() -> int:
@@ -125,9 +129,12 @@ def test_rules_are_skipped_not_fatal_for_a_member_advertised_by_host_name(
     asyncio.run(scenario())
 
 
-def test_closing_the_listener_cuts_a_throughput_sample_in_flight() -> None:
+def test_closing_the_listener_cuts_a_throughput_sample_in_flight(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A sample is copied in threads; closing the listener (the member assigned or stopped)
     must end it at once, not when the sender's clock runs out."""
+    monkeypatch.setattr(probe, "steady", lambda rates: False)  # a link that wanders
 
     async def scenario() -> None:
         listener = ProbeListener()
@@ -144,9 +151,10 @@ def test_closing_the_listener_cuts_a_throughput_sample_in_flight() -> None:
     asyncio.run(scenario())
 
 
-def test_a_cancelled_probe_leaves_no_sending_thread_behind() -> None:
+def test_a_cancelled_probe_leaves_no_sending_thread_behind(monkeypatch: pytest.MonkeyPatch) -> None:
     """probe_peers' bound cancels a sample: its sending thread ends with it (the agent's
     exit never waits for a sample nobody wants)."""
+    monkeypatch.setattr(probe, "steady", lambda rates: False)  # a link that wanders
 
     async def scenario() -> float:
         listener = ProbeListener()
@@ -167,3 +175,38 @@ def test_a_cancelled_probe_leaves_no_sending_thread_behind() -> None:
         assert took < 5
     finally:
         began.close()
+
+
+def test_a_steady_rate_is_one_whose_last_windows_agree_within_the_spread() -> None:
+    assert not steady([])
+    assert not steady([1.0, 1.0, 1.0])  # too few windows to tell
+    assert steady([5.0, 1.0, 1.02, 0.98, 1.0])  # a slow start does not count
+    assert not steady([1.0, 1.0, 1.0, 1.2])
+    assert not steady([0.0, 0.0, 0.0, 0.0])
+
+
+def test_a_sample_ends_once_its_rate_holds_and_never_past_its_bound() -> None:
+    """probe_seconds is the longest a sample may take (default 10 s); loopback holds its rate
+    long before that, so the sample ends early with the same kind of answer."""
+
+    async def scenario() -> None:
+        listener = ProbeListener()
+        port = await listener.start("127.0.0.1")
+        try:
+            start = time.monotonic()
+            long = await measure(1, "127.0.0.1", port, 30.0)
+            took = time.monotonic() - start
+            start = time.monotonic()
+            short = await measure(1, "127.0.0.1", port, 0.5)
+            bounded = time.monotonic() - start
+        finally:
+            await listener.close()
+        assert long.error is None
+        assert long.gbps is not None
+        assert long.gbps > 0.1
+        assert took < 20, f"a 30 s sample on loopback ran {took:.1f} s: it never held its rate"
+        assert short.gbps is not None
+        assert short.gbps > 0.1
+        assert bounded < 2.0  # 0.5 s of sending, plus the connections and the echo
+
+    asyncio.run(scenario())
