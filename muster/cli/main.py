@@ -58,6 +58,7 @@ def main() -> None:
         plan,
         server,
         token,
+        up,
         validate,
         verify,
     )

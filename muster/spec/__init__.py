@@ -1,13 +1,22 @@
 """Job spec, worker inventory, lifecycle states and their validation. Pure but for YAML reads."""
 
+from muster.spec.cluster import ClusterFile
 from muster.spec.job import Distributed, JobSpec, Rendezvous, Resources, parse_duration
-from muster.spec.loader import load_inventory_file, load_job_file, parse_job, parse_model
+from muster.spec.loader import (
+    load_cluster_file,
+    load_inventory_file,
+    load_job_file,
+    parse_cluster,
+    parse_job,
+    parse_model,
+)
 from muster.spec.network import MESH_INTERFACE, NetworkClass, PathClass, Transport
 from muster.spec.states import JobState, MemberState, WorkerState
 from muster.spec.worker import Gpus, NetworkCaps, WorkerInventory, WorkerView
 
 __all__ = [
     "MESH_INTERFACE",
+    "ClusterFile",
     "Distributed",
     "Gpus",
     "JobSpec",
@@ -22,8 +31,10 @@ __all__ = [
     "WorkerInventory",
     "WorkerState",
     "WorkerView",
+    "load_cluster_file",
     "load_inventory_file",
     "load_job_file",
+    "parse_cluster",
     "parse_duration",
     "parse_job",
     "parse_model",

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
 from muster.errors import FieldError, SpecError
+from muster.spec.cluster import ClusterFile, check_cluster
 from muster.spec.job import JobSpec
 from muster.spec.rules import check_job, check_raw
 from muster.spec.worker import WorkerInventory
@@ -41,6 +42,23 @@ def parse_job(data: object, source: str = "job spec") -> JobSpec:
 def load_job_file(path: str | Path) -> JobSpec:
     """Read and validate a job YAML file."""
     return parse_job(read_yaml(path), source=str(path))
+
+
+def parse_cluster(data: object, source: str = "cluster file") -> ClusterFile:
+    """Validate a cluster file's data (seed 003): shape, types, then every rule. A top-level
+    ``cluster:`` key, as seed 003 writes the file, is unwrapped."""
+    if isinstance(data, Mapping) and set(data) == {"cluster"}:
+        data = data["cluster"]
+    cluster = parse_model(ClusterFile, data, source)
+    errors = check_cluster(cluster)
+    if errors:
+        raise SpecError(errors, source)
+    return cluster
+
+
+def load_cluster_file(path: str | Path) -> ClusterFile:
+    """Read and validate ``muster.cluster.yml``."""
+    return parse_cluster(read_yaml(path), source=str(path))
 
 
 def load_inventory_file(path: str | Path) -> list[WorkerInventory]:
@@ -106,8 +124,8 @@ def parse_model(model: type[M], data: object, source: str) -> M:
 
 
 def _field_error(model: type[BaseModel], err: ErrorDetails) -> FieldError:
-    loc = [str(part) for part in err["loc"]]
-    field = ".".join(loc)
+    loc = [str(part) for part in err["loc"] if not isinstance(part, int)]
+    field = _dotted(err["loc"])
     kind = err["type"]
     got = err.get("input")
     if kind == "extra_forbidden":
@@ -141,6 +159,14 @@ _BOUNDS = {
 }
 
 
+def _dotted(loc: tuple[int | str, ...]) -> str:
+    """``("workers", 2, "host")`` -> ``workers[2].host``."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
 def _fields_at(model: type[BaseModel], loc: list[str]) -> list[str]:
     """The field names of the nested model at ``loc`` (empty when it is not a model)."""
     current: Any = model
@@ -159,6 +185,8 @@ def _fields_at(model: type[BaseModel], loc: list[str]) -> list[str]:
 def _model_in(annotation: Any) -> Any:
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
+    if typing.get_origin(annotation) is list:
+        return _model_in(typing.get_args(annotation)[0])
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         for arg in typing.get_args(annotation):
             if isinstance(arg, type) and issubclass(arg, BaseModel):
