@@ -162,6 +162,13 @@ class Client:
         result: dict[str, Any] = self._call("POST", f"/v1/jobs/{job_id}/cancel")
         return result
 
+    def start(self, job_id: str) -> dict[str, Any]:
+        """Fire the job's staging join window (``muster start``)."""
+        return dict(self._call("POST", f"/v1/jobs/{job_id}/start"))
+
+    def window(self, job_id: str) -> dict[str, Any]:
+        return dict(self._call("GET", f"/v1/jobs/{job_id}/window"))
+
     def logs(
         self,
         job_id: str,

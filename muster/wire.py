@@ -101,6 +101,10 @@ class Kind(IntEnum):
     # A->C: {job, epoch, node_rank, lost: [mesh address]}: while its member runs on the
     # direct path, the peers it has heard nothing from lately (sent when the set changes)
     NET_PATH = 58
+    # The join window (muster.membership), to a walk-in (an agent whose inventory has
+    # ``join``): {job, admitted, reason, phase, first_rank, ranks}. After a refusal, or once
+    # the window has closed without it, the walk-in has nothing to do on this link.
+    JOIN_REPLY = 60
 
 
 class FrameRefused(MusterError):

@@ -56,6 +56,15 @@ class LinkRefused(Exception):
     agent dials again; a one-shot agent exits."""
 
 
+class WalkInEnded(Exception):
+    """A walk-in's job window has nothing more for it: its job ended (code 0) or it was
+    refused at the door (code 2)."""
+
+    def __init__(self, code: int, why: str) -> None:
+        super().__init__(why)
+        self.code = code
+
+
 class ControllerSilent(Exception):
     """No frame from the controller for longer than its heartbeat timeout."""
 
@@ -213,6 +222,10 @@ class Agent:
             except AuthRefused as exc:
                 log.error("%s", exc)
                 return 2
+            except WalkInEnded as exc:
+                log.log(logging.INFO if exc.code == 0 else logging.ERROR, "%s", exc)
+                await self._stop_all(str(exc))
+                return exc.code
             except (
                 OSError,
                 websockets.exceptions.WebSocketException,
@@ -439,8 +452,31 @@ class Agent:
             self._in_background(
                 self._stop(str(body.get("job")), str(body.get("reason", "stopped")), body)
             )
+        elif frame.kind is Kind.JOIN_REPLY:
+            self._join_reply(body)
         elif frame.kind is Kind.ERROR:
             raise LinkRefused(f"the controller refused: {body.get('message')}")
+
+    def _join_reply(self, body: dict[str, Any]) -> None:
+        """The window's answer to this walk-in (muster join)."""
+        job = str(body.get("job"))
+        if body.get("admitted"):
+            first, count = int(body.get("first_rank", 0)), int(body.get("ranks", 0))
+            log.info(
+                "walked in to job %s: ranks %d-%d; the window is %s",
+                job,
+                first,
+                first + count - 1,
+                body.get("phase"),
+            )
+            return
+        reason = str(body.get("reason") or "refused")
+        if body.get("ended"):
+            code = 0 if body.get("state") == "succeeded" else 1
+            raise WalkInEnded(code, f"job {job} is over ({reason}); leaving")
+        if self.config.persist:
+            raise LinkRefused(f"the window of job {job} refused this box: {reason}")
+        raise WalkInEnded(2, f"the window of job {job} refused this box: {reason}")
 
     def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(work)

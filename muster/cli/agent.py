@@ -21,6 +21,7 @@ from muster.client import controller_url, split_token
 from muster.errors import UserError
 from muster.net.wireguard import claim_device, device_unavailable
 from muster.spec import MESH_INTERFACE
+from muster.spec.worker import WalkIn
 from muster.store import ensure_data_dir
 
 
@@ -74,9 +75,93 @@ def agent(
     ),
 ) -> None:
     """Dial the controller and run the gang members it assigns here."""
+    serve(
+        controller,
+        token_file,
+        name or socket.gethostname(),
+        python=python,
+        work_dir=work_dir,
+        advertise_address=advertise_address,
+        private_network=private_network,
+        interface=interface,
+        device=device,
+        persist=persist,
+        path_timeout=path_timeout,
+        grace=grace,
+        retention=retention,
+    )
+
+
+@app.command()
+@reports_errors
+def join(
+    controller: str = typer.Argument(
+        None, envvar="MUSTER_CONTROLLER", help="controller URL [default: http://127.0.0.1:7070]"
+    ),
+    job: str = typer.Option(..., "--job", "-j", help="the membership: window job to walk in to"),
+    token_file: Path = typer.Option(
+        None,
+        "--token-file",
+        help="file (mode 0600) holding the join string `muster token` prints [or set MUSTER_TOKEN]",
+    ),
+    procs: int = typer.Option(1, min=1, max=1024, help="ranks this box offers"),
+    host: str = typer.Option(None, help="this box's name on the roster [hostname]"),
+    name: str = typer.Option(None, help="worker id [walkin-HOST]"),
+    python: str = typer.Option(sys.executable, help="the Python the ranks run with"),
+    work_dir: Path = typer.Option(None, help="where the job unpacks and runs [data dir]"),
+    advertise_address: str = typer.Option(None, help="address other nodes reach this one at"),
+    private_network: str = typer.Option(
+        None, help="id of the private network this box shares with the others [none]"
+    ),
+    interface: str = typer.Option(None, help="network interface the ranks bind"),
+    persist: bool = typer.Option(
+        False, help="when refused, or the link is lost, dial again (5 s doubling to 60 s)"
+    ),
+    grace: float = typer.Option(10.0, help="seconds between SIGTERM and SIGKILL on stop"),
+) -> None:
+    """Walk in to a job's join window: offer this box's ranks, run its part once the world
+    forms, and leave when the job ends."""
+    roster_name = host or socket.gethostname()
+    serve(
+        controller,
+        token_file,
+        name or f"walkin-{roster_name}",
+        python=python,
+        work_dir=work_dir,
+        advertise_address=advertise_address,
+        private_network=private_network,
+        interface=interface,
+        device=None,
+        persist=persist,
+        path_timeout=60.0,
+        grace=grace,
+        retention="0",
+        walk_in=WalkIn(job=job, host=roster_name, ranks=procs),
+        backoff=(5.0, 60.0),
+    )
+
+
+def serve(
+    controller: str | None,
+    token_file: Path | None,
+    worker_id: str,
+    *,
+    python: str,
+    work_dir: Path | None,
+    advertise_address: str | None,
+    private_network: str | None,
+    interface: str | None,
+    device: str | None,
+    persist: bool,
+    path_timeout: float,
+    grace: float,
+    retention: str,
+    walk_in: WalkIn | None = None,
+    backoff: tuple[float, float] | None = None,
+) -> None:
+    """Run an agent until its link ends (or for ever with ``persist``); exits with its code."""
     keep_for = parse_retention(retention, "--retention")
     url = controller_url(controller)
-    worker_id = name or socket.gethostname()
     token = read_secret(token_file, "MUSTER_TOKEN", "the join string")
     if token is None:
         raise UserError(
@@ -105,13 +190,15 @@ def agent(
             private_network,
             interface=bound_interface,
             device=device_name,
-        ),
+        ).model_copy(update={"join": walk_in}),
         persist=persist,
         grace=grace,
         retention=keep_for,
         path_timeout=path_timeout,
         device=device_name,
     )
+    if backoff is not None:
+        config.backoff = backoff
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if path_timeout < 30:
         logging.getLogger("muster.agent").warning(

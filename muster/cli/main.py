@@ -61,6 +61,7 @@ def main() -> None:
         up,
         validate,
         verify,
+        window,
     )
 
     try:

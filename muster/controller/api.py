@@ -154,6 +154,19 @@ async def cancel(job_id: str, request: Request) -> dict[str, Any]:
     return job_summary(await ctl.db(store(request).job, job_id))
 
 
+@users.post("/jobs/{job_id}/start")
+async def start(job_id: str, request: Request) -> dict[str, Any]:
+    """Fire a staging join window (manual or hybrid start): the world forms now. 409 with
+    the reason when it cannot (auto mode, quorum not met, window already closed)."""
+    return await controller(request).start_window(job_id)
+
+
+@users.get("/jobs/{job_id}/window")
+async def window(job_id: str, request: Request) -> dict[str, Any]:
+    """A job's join window: phase, rules, roster (read-only)."""
+    return await controller(request).window_view(job_id)
+
+
 # ---- logs --------------------------------------------------------------------------------
 
 

@@ -30,6 +30,7 @@ from muster.controller.ingest import LogIngest
 from muster.controller.links import Link, LinkEnded
 from muster.controller.metrics import Metrics
 from muster.controller.runs import JoinKeys, RunEntry, rebuild_run
+from muster.controller.windows import WindowDesk
 from muster.controller.writer import StoreWriter
 from muster.errors import BadRequest, IllegalTransition, InfrastructureError, PlacementConflict
 from muster.gang import (
@@ -152,6 +153,8 @@ class Controller:
         self._consumers: dict[str, asyncio.Task[None]] = {}  # worker id -> its link's consumer
         self.exiting = False  # set when the controller stops: links going down lose nobody
         self._closing: set[asyncio.Task[None]] = set()
+        self.supported_paths = SUPPORTED_PATHS
+        self.windows = WindowDesk(self)  # join windows of membership: window jobs
 
     async def db(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run a store call off the event loop."""
@@ -403,10 +406,22 @@ class Controller:
                 task.add_done_callback(self._closing.discard)
 
     async def _tick_runs(self) -> None:
-        """Job timeouts and the grace after a restart are the runs' clock."""
+        """Job timeouts and the grace after a restart are the runs' clock; a join window
+        whose clock ran out gets a pass."""
         async with self.lock:
             for entry in list(self.runs.values()):
                 await self._step(entry, Tick())
+            if self.windows.due(time.time()):
+                self.request_pass()
+
+    async def start_window(self, job_id: str) -> dict[str, Any]:
+        """``muster start JOB``: fire the job's staging window (BadRequest says why not)."""
+        async with self.lock:
+            return await self.windows.start(job_id)
+
+    async def window_view(self, job_id: str) -> dict[str, Any]:
+        async with self.lock:
+            return await self.windows.view(job_id)
 
     async def _gauges(self) -> None:
         self.metrics.agents.set(len(self.links))
@@ -422,7 +437,7 @@ class Controller:
             if self.exiting:
                 return  # the links are closing: nothing placed now could be started
             queued = await self.db(self.store.queued)
-            if not queued:
+            if not queued and not self.windows.wanted:
                 return
             try:
                 await self._place(queued, started)
@@ -435,14 +450,18 @@ class Controller:
         # commit of its OFFLINE lands.
         # Nor a worker whose INVENTORY is on its way to the store: that write decided what
         # the worker is free for before this pass, and would overwrite a reservation made now.
-        views = [
+        linked = [
             v
             for v in await self.db(self.store.workers)
             if v.inventory.id in self.links and v.inventory.id not in self._recording
         ]
+        # A walk-in (muster join) serves the window of its job only.
+        views = [v for v in linked if v.inventory.join is None]
+        walk_ins = [v for v in linked if v.inventory.join is not None]
         new = [job_id for job_id, _seq, _bundle in queued if job_id not in self._specs]
         stored = await self.db(self.store.specs, new) if new else {}
         jobs = []
+        windowed: dict[str, JobSpec] = {}
         for job_id, seq, _bundle in queued:
             spec = self._specs.get(job_id)
             if spec is None:  # validated once: a stored spec never changes
@@ -462,6 +481,9 @@ class Controller:
                     )
                     self._apart.pop(job_id, None)
                     continue
+            if spec.gang.membership == "window":
+                windowed[job_id] = spec
+                continue
             jobs.append(QueuedJob(job_id, spec, seq, self._apart.get(job_id)))
         still = {job_id for job_id, _s, _b in queued}
         for gone in self._specs.keys() - still:
@@ -493,45 +515,10 @@ class Controller:
                 log.info("placement lost a race: %s", epoch)
                 continue
             self.metrics.placement.observe(time.perf_counter() - started)
-            spec = specs[job_id]
             self._specs.pop(job_id, None)
             self._why.pop(job_id, None)
-            entry = RunEntry(GangRun(), spec, list(outcome.members), bundles[job_id])
-            self.runs[job_id] = entry
-            self.logs.note_senders(job_id, list(outcome.worker_ids))
-            try:
-                if outcome.path is PathClass.DIRECT:
-                    if len(outcome.worker_ids) > MESH_MAX_NODES:
-                        raise BadRequest(
-                            f"the direct path takes at most {MESH_MAX_NODES} members; "
-                            f"this gang has {len(outcome.worker_ids)}"
-                        )
-                    entry.mesh = self._free_mesh()
-                planned = gang_addressing(outcome.path, entry.inventories, 0, entry.mesh)
-                await self._step(
-                    entry,
-                    Placed(
-                        job=job_id,
-                        epoch=epoch.number,
-                        workers=tuple(outcome.worker_ids),
-                        path=outcome.path,
-                        port=spec.gang.rendezvous.port,
-                        timeout=spec.timeout or None,
-                        master_addr=planned.master_addr,
-                        probe_seconds=_probe_seconds(spec, entry.inventories),
-                    ),
-                )
-            except Exception as exc:  # one gang's trouble does not strand the others
-                self.metrics.internal_errors.labels("supervise").inc()
-                log.exception("job %s: starting its placed gang failed", job_id)
-                if not entry.gang.members:  # never stepped: give its workers back
-                    del self.runs[job_id]
-                    self.writer.submit(
-                        [
-                            JobStateWrite(job_id, JobState.FAILED, f"starting the gang: {exc}"),
-                            *(ReleaseWrite(w, job_id) for w in outcome.worker_ids),
-                        ]
-                    )
+            await self.start_placed(job_id, specs[job_id], outcome, epoch.number, bundles[job_id])
+        pending.update(await self.windows.run_pass(windowed, bundles, walk_ins))
         due = self._why_due(pending)
         if due:
             # A gang kept off the private path by another gang's addresses says so in its
@@ -547,6 +534,48 @@ class Controller:
             await self.db(self.store.set_why_pending_many, due)
             written = time.monotonic()
             self._why.update((job_id, (reason, written)) for job_id, reason in due.items())
+
+    async def start_placed(
+        self, job_id: str, spec: JobSpec, outcome: Placement, epoch: int, bundle: str | None
+    ) -> None:
+        """A reserved gang (``outcome.members[r]`` is node rank r) starts its run (the lock
+        held): the lifecycle's Placed event, and from there on its actions."""
+        entry = RunEntry(GangRun(), spec, list(outcome.members), bundle)
+        self.runs[job_id] = entry
+        self.logs.note_senders(job_id, list(outcome.worker_ids))
+        try:
+            if outcome.path is PathClass.DIRECT:
+                if len(outcome.worker_ids) > MESH_MAX_NODES:
+                    raise BadRequest(
+                        f"the direct path takes at most {MESH_MAX_NODES} members; "
+                        f"this gang has {len(outcome.worker_ids)}"
+                    )
+                entry.mesh = self._free_mesh()
+            planned = gang_addressing(outcome.path, entry.inventories, 0, entry.mesh)
+            await self._step(
+                entry,
+                Placed(
+                    job=job_id,
+                    epoch=epoch,
+                    workers=tuple(outcome.worker_ids),
+                    path=outcome.path,
+                    port=spec.gang.rendezvous.port,
+                    timeout=spec.timeout or None,
+                    master_addr=planned.master_addr,
+                    probe_seconds=_probe_seconds(spec, entry.inventories),
+                ),
+            )
+        except Exception as exc:  # one gang's trouble does not strand the others
+            self.metrics.internal_errors.labels("supervise").inc()
+            log.exception("job %s: starting its placed gang failed", job_id)
+            if not entry.gang.members:  # never stepped: give its workers back
+                del self.runs[job_id]
+                self.writer.submit(
+                    [
+                        JobStateWrite(job_id, JobState.FAILED, f"starting the gang: {exc}"),
+                        *(ReleaseWrite(w, job_id) for w in outcome.worker_ids),
+                    ]
+                )
 
     def _collision_change(self, job_id: str, reason: str | None) -> ConditionWrite | None:
         """GangReady when a waiting job's IPCollision starts (False, IPCollision) or ends
@@ -788,6 +817,8 @@ class Controller:
         if inventory.id != link.worker_id:
             await link.send(Kind.ERROR, {"message": "inventory id differs from the link's"})
             return None
+        if inventory.join is not None:
+            self.windows.wanted = True  # a walk-in: its window (or its job's end) has news
         worker = link.worker_id
         reports = tuple(_report(r) for r in body.get("members") or [])
         # Members of jobs this controller does not track (or of an older epoch) that still
@@ -878,6 +909,7 @@ class Controller:
         start rebuilds them and waits for the agents to dial back (restore_runs)."""
         if self._consumers.get(link.worker_id) is link.consumer:
             del self._consumers[link.worker_id]
+        self.windows.forget_link(link.worker_id)
         if end.controller_exiting:
             return
         why = end.why

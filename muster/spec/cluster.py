@@ -15,13 +15,10 @@ from typing import Annotated, Literal
 from pydantic import BeforeValidator, Field
 
 from muster.errors import FieldError
-from muster.spec.job import _Model, parse_duration
-from muster.spec.rules import ENV_NAME, PLATFORM_ENV, PLATFORM_ENV_PREFIXES
+from muster.spec.job import JoinWindow, StartMode, _Model
+from muster.spec.rules import ENV_NAME, PLATFORM_ENV, PLATFORM_ENV_PREFIXES, window_problems
 
-StartMode = Literal["auto", "manual", "hybrid"]
 DEFAULT_PORT = 7070  # muster server's default
-DEFAULT_JOIN_TIMEOUT_S = 300
-DEFAULT_MAX_JOIN_TIMEOUT_S = 900
 
 #: Which devices a rank sees is the platform's to set, per rank, from the worker's devices.
 VISIBILITY_MASKS = frozenset(
@@ -33,8 +30,6 @@ VISIBILITY_MASKS = frozenset(
         "GPU_DEVICE_ORDINAL",
     }
 )
-
-Timeout = Annotated[int, BeforeValidator(parse_duration), Field(gt=0)]
 
 
 def _devices(value: object) -> object:
@@ -50,36 +45,11 @@ def _devices(value: object) -> object:
 Devices = Annotated[list[int] | Literal["all"] | None, BeforeValidator(_devices)]
 
 
-class Join(_Model):
-    """The join window's settings (``controller.join``)."""
-
-    quorum: int | None = Field(
-        default=None, ge=1, description="fewest ranks the run may start with [capacity]"
-    )
-    join_timeout: Timeout = Field(
-        default=DEFAULT_JOIN_TIMEOUT_S,
-        description="seconds after the window opens at which auto/hybrid form with quorum",
-    )
-    target_ranks: int | None = Field(
-        default=None, ge=1, description="ranks at which auto/hybrid form at once [capacity]"
-    )
-    max_join_timeout: Timeout = Field(
-        default=DEFAULT_MAX_JOIN_TIMEOUT_S,
-        description="hard cap: a window not formed by then fails",
-    )
-    open_admission: bool = Field(
-        default=False, description="hand the join key to any peer that reaches a network bind"
-    )
-    start: StartMode = Field(
-        default="auto", description="auto (the clock), manual (`muster start`), or hybrid"
-    )
-
-
 class Controller(_Model):
     host: str = Field(default="127.0.0.1", min_length=1, description="controller bind address")
     port: int = Field(default=DEFAULT_PORT, ge=1, le=65535, description="the one port")
     path: str | None = Field(default=None, description="the project root on the controller")
-    join: Join = Field(default_factory=Join)
+    join: JoinWindow = Field(default_factory=JoinWindow)
 
 
 class Ssh(_Model):
@@ -169,26 +139,7 @@ def check_cluster(cluster: ClusterFile) -> list[FieldError]:
 
 
 def _join(cluster: ClusterFile) -> Iterator[FieldError]:
-    join = cluster.controller.join
-    if join.start == "manual" and join.target_ranks is not None:
-        yield FieldError(
-            "controller.join.target_ranks",
-            "a manual window never forms on its own, so it has no target; remove "
-            "target_ranks, or use start: hybrid (forms on the target or when started)",
-        )
-    if join.max_join_timeout < join.join_timeout:
-        yield FieldError(
-            "controller.join.max_join_timeout",
-            f"({join.max_join_timeout}s) is below join_timeout ({join.join_timeout}s); "
-            "the hard cap must be at least the window's timeout",
-        )
-    quorum, target = join.quorum, join.target_ranks
-    if quorum is not None and target is not None and target < quorum:
-        yield FieldError(
-            "controller.join.target_ranks",
-            f"({target}) is below quorum ({quorum}); a window forms at its target, so raise "
-            "it to the quorum or more",
-        )
+    yield from window_problems(cluster.controller.join, "controller.join")
 
 
 def _workers(cluster: ClusterFile) -> Iterator[FieldError]:
@@ -247,7 +198,7 @@ def _envs(cluster: ClusterFile) -> Iterator[FieldError]:
 __all__ = [
     "ClusterFile",
     "Controller",
-    "Join",
+    "JoinWindow",
     "Ssh",
     "StartMode",
     "Worker",

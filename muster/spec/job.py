@@ -17,6 +17,9 @@ from muster.spec.network import NetworkClass, Transport
 Device = Literal["cpu", "cuda", "mps"]
 Backend = Literal["gloo", "nccl"]
 Membership = Literal["pool", "window"]
+StartMode = Literal["auto", "manual", "hybrid"]
+DEFAULT_JOIN_TIMEOUT_S = 300
+DEFAULT_MAX_JOIN_TIMEOUT_S = 900
 
 # Bounds that keep a spec inside what the store's columns hold and what a rank plan can
 # list: priority is a 32-bit column; a gang's plan has one entry per node.
@@ -71,6 +74,32 @@ class Rendezvous(_Model):
     )
 
 
+class JoinWindow(_Model):
+    """A join window's settings (seed 003): ``distributed.window`` of a job whose membership
+    is ``window``, or ``controller.join`` of a cluster file. Quorum and target count ranks."""
+
+    quorum: int | None = Field(
+        default=None, ge=1, description="fewest ranks the run may start with [capacity]"
+    )
+    join_timeout: Seconds = Field(
+        default=DEFAULT_JOIN_TIMEOUT_S,
+        description="seconds after the window opens at which auto/hybrid form with quorum",
+    )
+    target_ranks: int | None = Field(
+        default=None, ge=1, description="ranks at which auto/hybrid form at once [capacity]"
+    )
+    max_join_timeout: Seconds = Field(
+        default=DEFAULT_MAX_JOIN_TIMEOUT_S,
+        description="hard cap: a window not formed by then fails",
+    )
+    open_admission: bool = Field(
+        default=False, description="hand the join key to any peer that reaches a network bind"
+    )
+    start: StartMode = Field(
+        default="auto", description="auto (the clock), manual (`muster start`), or hybrid"
+    )
+
+
 class Distributed(_Model):
     """How the job spreads over machines (seed 001)."""
 
@@ -85,6 +114,9 @@ class Distributed(_Model):
     network: NetworkClass = "regional"
     transport: Transport = "direct"
     membership: Membership = "pool"
+    window: JoinWindow | None = Field(
+        default=None, description="the join window of a window job (membership: window)"
+    )
     probe_seconds: float | None = Field(
         default=10.0,
         ge=0,

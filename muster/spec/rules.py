@@ -11,7 +11,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from muster.errors import FieldError
-from muster.spec.job import JobSpec
+from muster.spec.job import JobSpec, JoinWindow
 
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -187,8 +187,35 @@ def _distributed(spec: JobSpec) -> Iterator[FieldError]:
             "must be 0: muster never retries a job (a partly run gang cannot be resumed); "
             "checkpoint to MUSTER_OUTPUT_DIR and resubmit",
         )
-    if dist.membership == "window":
+    if dist.window is not None and dist.membership != "window":
         yield FieldError(
-            "distributed.membership",
-            "window membership is not available yet; use membership: pool",
+            "distributed.window",
+            "is set but membership is pool (the scheduler places the gang); set membership: "
+            "window for walk-ins, or remove the window block",
+        )
+    if dist.membership == "window":
+        yield from window_problems(dist.window or JoinWindow(), "distributed.window")
+
+
+def window_problems(join: JoinWindow, at: str) -> Iterator[FieldError]:
+    """A join window's rules across its fields (a job's distributed.window, or a cluster
+    file's controller.join); ``at`` is where it sits."""
+    if join.start == "manual" and join.target_ranks is not None:
+        yield FieldError(
+            f"{at}.target_ranks",
+            "a manual window never forms on its own, so it has no target; remove "
+            "target_ranks, or use start: hybrid (forms on the target or when started)",
+        )
+    if join.max_join_timeout < join.join_timeout:
+        yield FieldError(
+            f"{at}.max_join_timeout",
+            f"({join.max_join_timeout}s) is below join_timeout ({join.join_timeout}s); "
+            "the hard cap must be at least the window's timeout",
+        )
+    quorum, target = join.quorum, join.target_ranks
+    if quorum is not None and target is not None and target < quorum:
+        yield FieldError(
+            f"{at}.target_ranks",
+            f"({target}) is below quorum ({quorum}); a window forms at its target, so raise "
+            "it to the quorum or more",
         )

@@ -49,6 +49,15 @@ class NetworkCaps(_Model):
     )
 
 
+class WalkIn(_Model):
+    """An agent that walked in to one job's join window (``muster join``) rather than
+    offering itself to the pool: it serves that job only."""
+
+    job: str = Field(min_length=1, max_length=64)
+    host: str = Field(min_length=1, max_length=253, description="its name on the roster")
+    ranks: int = Field(ge=1, le=1024, description="ranks it offers (devices or CPU procs)")
+
+
 class WorkerInventory(_Model):
     """One machine an agent runs on."""
 
@@ -65,6 +74,7 @@ class WorkerInventory(_Model):
     region_class: str = "local"
     network: NetworkCaps = Field(default_factory=NetworkCaps)
     labels: dict[str, str] = Field(default_factory=dict)
+    join: WalkIn | None = Field(default=None, description="a walk-in: the window it joins")
 
 
 class WorkerView(_Model):

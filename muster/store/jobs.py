@@ -160,6 +160,12 @@ class JobRepository(Repository):
         with self.db.transaction() as s:
             return job_state_in(s, job_id, new, message)
 
+    def set_job_spec(self, job_id: str, spec: dict[str, Any]) -> None:
+        """Replace a queued job's spec: a join window's job takes the size of the world
+        that formed (num_workers = the hosts that walked in) before it is reserved."""
+        with self.db.transaction() as s:
+            load_job(s, job_id).spec = spec
+
     def set_why_pending(self, job_id: str, reason: str | None) -> None:
         with self.db.transaction() as s:
             job = load_job(s, job_id)

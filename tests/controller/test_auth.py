@@ -25,6 +25,8 @@ RIGHTS = {
     ("GET", "/v1/jobs"): "user",
     ("GET", "/v1/jobs/{job_id}"): "user",
     ("POST", "/v1/jobs/{job_id}/cancel"): "user",
+    ("POST", "/v1/jobs/{job_id}/start"): "user",
+    ("GET", "/v1/jobs/{job_id}/window"): "user",
     ("GET", "/v1/jobs/{job_id}/logs"): "user",
     ("POST", "/v1/bundles"): "user",
     ("GET", "/v1/bundles/{sha256}"): "agent",

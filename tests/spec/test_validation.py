@@ -116,10 +116,16 @@ REFUSALS = [
     ("cuda without gpus", job(resources={"device": "cuda"}), "resources.gpus", "gpus: 1"),
     ("gpus on cpu", job(resources={"gpus": 2, "device": "cpu"}), "resources.device", "cuda"),
     (
-        "window membership",
-        job(distributed=dist(membership="window")),
-        "distributed.membership",
-        "pool",
+        "window block on a pool job",
+        job(distributed=dist(window={"start": "manual"})),
+        "distributed.window",
+        "membership: window",
+    ),
+    (
+        "manual window with a target",
+        job(distributed=dist(membership="window", window={"start": "manual", "target_ranks": 2})),
+        "distributed.window.target_ranks",
+        "start: hybrid",
     ),
 ]
 

@@ -1,0 +1,406 @@
+"""Join windows of ``membership: window`` jobs (seed 003), applied: muster.membership decides,
+this module feeds it the walk-ins the controller sees and says what it decided.
+
+A window job waits in the queue (state ``queued``; why-pending shows the window) while agents
+started with ``muster join`` (their inventory names the job) walk in. The scheduler never
+offers a walk-in to another job. When the window forms, the roster becomes the gang: node
+rank r is the r-th admitted walk-in, and the job runs as any placed gang from there on. A
+walk-in refused at the door, or whose job has ended, hears it in a JOIN_REPLY and leaves.
+
+Windows live in the controller's memory: after a controller restart a window opens afresh
+(its clock too) and walk-ins that dial again (``--persist``) are admitted again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from muster.errors import BadRequest, NotFound, PlacementConflict
+from muster.membership.admission import Hello, refusal
+from muster.membership.window import (
+    Admitted,
+    Event,
+    Failed,
+    Formed,
+    Join,
+    Leave,
+    Outcome,
+    Phase,
+    Refused,
+    Renumbered,
+    Rules,
+    Start,
+    Tick,
+    Window,
+    open_window,
+    step,
+)
+from muster.scheduler import Placement, Unplaceable, place_gang
+from muster.spec import JobSpec, JobState, WorkerInventory, WorkerState, WorkerView
+from muster.spec.job import JoinWindow
+from muster.store.writes import JobStateWrite
+from muster.wire import Kind
+
+if TYPE_CHECKING:
+    from muster.controller.gangs import Controller
+
+log = logging.getLogger(__name__)
+
+FORMED_KEPT = 256  # formed windows whose roster `muster status` still shows
+# A formed window's phase, from its job's state (before: forming).
+AFTER_FORMING = {
+    "running": "training",
+    "succeeded": "done",
+    "failed": "failed",
+    "cancelled": "failed",
+}
+
+
+@dataclass
+class WindowEntry:
+    """One window job's join window and what the controller keeps beside it."""
+
+    job: str
+    spec: JobSpec
+    bundle: str | None
+    window: Window
+    inventories: dict[str, WorkerInventory] = field(default_factory=dict)  # admitted
+    hellos: dict[str, Hello] = field(default_factory=dict)  # admitted, by worker
+    told: set[str] = field(default_factory=set)  # workers refused (told once per link)
+
+
+def window_rules(spec: JobSpec) -> Rules:
+    """The job's window with its defaults filled: quorum and target default to the job's
+    size (num_workers x procs_per_worker), so a window sized like a pool gang forms the
+    moment every rank is in and never starts below it."""
+    gang = spec.gang
+    join = gang.window or JoinWindow()
+    capacity = gang.num_workers * gang.procs_per_worker
+    quorum = join.quorum or capacity
+    target = None if join.start == "manual" else max(join.target_ranks or capacity, quorum)
+    return Rules(join.start, quorum, target, float(join.join_timeout), float(join.max_join_timeout))
+
+
+def open_entry(job: str, spec: JobSpec, bundle: str | None, now: float) -> WindowEntry:
+    return WindowEntry(job, spec, bundle, open_window(window_rules(spec), now))
+
+
+def hello_of(inventory: WorkerInventory, job: str, bundle: str | None) -> Hello:
+    """What a walk-in says of itself. The run is the job and the model signature the job's
+    bundle: every walk-in fetches the same bundle from the controller, so those agree; the
+    vendor and the torch version are the box's own."""
+    vendor = inventory.gpus.vendor if inventory.gpus.count else None
+    assert inventory.join is not None
+    return Hello(
+        host=inventory.join.host,
+        vendor=vendor if vendor in ("nvidia", "amd") else None,
+        torch=inventory.torch_version or "none",
+        run=job,
+        model_sig=bundle or "",
+    )
+
+
+def door(entry: WindowEntry, inventory: WorkerInventory) -> str:
+    """Why this walk-in may not join ``entry``'s cohort ("" when it may)."""
+    assert inventory.join is not None
+    gang = entry.spec.gang
+    if inventory.join.ranks != gang.procs_per_worker:
+        return (
+            f"{inventory.join.host} offers {inventory.join.ranks} rank(s) but job {entry.job} "
+            f"runs {gang.procs_per_worker} per host (procs_per_worker); join with --procs "
+            f"{gang.procs_per_worker} (a world of hosts with different rank counts is not "
+            "supported yet)"
+        )
+    if not inventory.torchrun:
+        return f"{inventory.join.host} has no torchrun (torch missing); install torch there"
+    backend = gang.backend or (
+        "nccl" if entry.spec.resources.effective_device == "cuda" else "gloo"
+    )
+    cohort = next(iter(entry.hellos.values()), None)
+    return refusal(cohort, hello_of(inventory, entry.job, entry.bundle), backend)
+
+
+def summary(job: str, window: Window, now: float) -> str:
+    """The window as its job's why-pending line: the phase first (its kind), then counts."""
+    rules = window.rules
+    target = f", target {rules.target}" if rules.target is not None else ""
+    head = f"join window {window.phase.value}: {window.ranks} rank(s) in, quorum {rules.quorum}"
+    head += target
+    if window.phase is Phase.STAGING:
+        head += f"; startable: muster start {job}"
+    due = window.next_tick(now)
+    if due is None:
+        return head
+    timing = rules.start != "manual" and now < window.opened_at + rules.join_timeout
+    return f"{head}; {'timeout' if timing else 'hard cap'} in {max(0.0, due - now):.0f}s"
+
+
+def status(entry: WindowEntry | None, job_state: str, now: float) -> dict[str, Any]:
+    """The read-only view of a job's window (``muster status``, GET .../window)."""
+    if entry is None:
+        return {"phase": None, "job_state": job_state, "roster": []}
+    window = entry.window
+    rules = window.rules
+    return {
+        "phase": window.phase.value,
+        "job_state": job_state,
+        "start": rules.start,
+        "quorum": rules.quorum,
+        "target": rules.target,
+        "join_timeout": rules.join_timeout,
+        "max_join_timeout": rules.max_join_timeout,
+        "opened_at": window.opened_at,
+        "next_deadline_in": (
+            None if (due := window.next_tick(now)) is None else round(max(0.0, due - now), 1)
+        ),
+        "ranks": window.ranks,
+        "startable": window.startable,
+        "reason": window.reason,
+        "roster": [
+            {
+                "host": m.host,
+                "worker": m.worker,
+                "first_rank": m.first_rank,
+                "ranks": m.ranks,
+                "joined_at": m.joined_at,
+            }
+            for m in window.roster
+        ],
+    }
+
+
+def now() -> float:
+    return time.time()
+
+
+class WindowDesk:
+    """The controller's join windows: fed by each scheduler pass (the lock held), the
+    operator's start, and the links' ends."""
+
+    def __init__(self, controller: Controller) -> None:
+        self.c = controller
+        self.entries: dict[str, WindowEntry] = {}
+        self.told: set[str] = set()  # walk-ins told their job is not (or no longer) open
+        self.wanted = False  # a walk-in reported in: run a pass even with an empty queue
+        self.formed: dict[str, WindowEntry] = {}  # the last FORMED_KEPT that formed (status)
+
+    def forget_link(self, worker: str) -> None:
+        """A link went down: a walk-in that dials again is heard again."""
+        self.told.discard(worker)
+        for entry in self.entries.values():
+            entry.told.discard(worker)
+
+    def due(self, at: float) -> bool:
+        """Whether some open window's clock has run out (a pass then moves it)."""
+        return any(
+            (t := e.window.next_tick(at)) is not None and t <= at for e in self.entries.values()
+        )
+
+    async def run_pass(
+        self,
+        windowed: dict[str, JobSpec],
+        bundles: dict[str, str | None],
+        walk_ins: list[WorkerView],
+    ) -> dict[str, str | None]:
+        """One pass over the queued window jobs: open new windows, admit or refuse the
+        walk-ins, apply the clock, form or fail. Returns each window job's why-pending."""
+        at = now()
+        self.wanted = False
+        reasons: dict[str, str | None] = {}
+        for gone in list(self.entries.keys() - windowed.keys()):
+            ended = self.entries.pop(gone)  # cancelled while its window was open
+            if ended.window.phase.open:
+                await self._tell_roster(ended, "the job was cancelled before its world formed")
+        idle = [v.inventory for v in walk_ins if v.state is WorkerState.IDLE]
+        for job, spec in windowed.items():
+            entry = self.entries.get(job)
+            if entry is None:
+                entry = self.entries[job] = open_entry(job, spec, bundles.get(job), at)
+            await self._admit(entry, [i for i in idle if i.join and i.join.job == job], at)
+            if job in self.entries and entry.window.phase.open:
+                reasons[job] = summary(job, entry.window, at)
+        for inventory in idle:
+            assert inventory.join is not None
+            if inventory.join.job not in windowed and inventory.id not in self.told:
+                await self._not_open(inventory)
+        return reasons
+
+    async def start(self, job: str) -> dict[str, Any]:
+        """``muster start``: fire a staging window (the lock held); BadRequest says why not."""
+        entry = self.entries.get(job)
+        if entry is None:
+            state = (await self.c.db(self.c.store.job, job)).state
+            raise BadRequest(
+                f"job {job} has no open join window (it is {state}); `muster start` fires the "
+                "window of a membership: window job that is still waiting"
+            )
+        window, out = step(entry.window, Start(), now())
+        entry.window = window
+        refused = [o for o in out if isinstance(o, Refused)]
+        if refused:
+            raise BadRequest(f"not started: {refused[0].reason}")
+        await self._apply(entry, out)
+        return status(entry, "queued" if window.phase.open else "placing", now())
+
+    async def view(self, job: str) -> dict[str, Any]:
+        """The window of ``job`` as ``muster status`` shows it; once it formed, the phase
+        follows the job (forming until its ranks run, then training, done or failed)."""
+        record = await self.c.db(self.c.store.job, job)
+        entry = self.entries.get(job)
+        if entry is not None:
+            return status(entry, record.state, now())
+        view = status(self.formed.get(job), record.state, now())
+        if (record.spec.get("distributed") or {}).get("membership") == "window":
+            view["phase"] = AFTER_FORMING.get(record.state, "forming")
+            view["startable"] = False
+        return view
+
+    # ---- inside a pass ------------------------------------------------------------------
+
+    async def _admit(self, entry: WindowEntry, walk_ins: list[WorkerInventory], at: float) -> None:
+        links = self.c.links
+        for member in entry.window.roster:  # a walk-in whose link is gone has left
+            if member.worker not in links:
+                await self._step(entry, Leave(member.worker), at)
+        on_roster = {m.worker for m in entry.window.roster}
+        for inventory in walk_ins:
+            if inventory.id in on_roster or inventory.id in entry.told:
+                continue
+            if not entry.window.phase.open:
+                break
+            why = door(entry, inventory)
+            if why:
+                entry.told.add(inventory.id)
+                await self._reply(inventory.id, entry, admitted=False, reason=why)
+                continue
+            assert inventory.join is not None
+            entry.inventories[inventory.id] = inventory
+            entry.hellos[inventory.id] = hello_of(inventory, entry.job, entry.bundle)
+            await self._step(
+                entry, Join(inventory.id, inventory.join.host, inventory.join.ranks), at
+            )
+        await self._step(entry, Tick(), at)
+
+    async def _step(self, entry: WindowEntry, event: Event, at: float) -> None:
+        window, out = step(entry.window, event, at)
+        entry.window = window
+        await self._apply(entry, out)
+
+    async def _apply(self, entry: WindowEntry, out: list[Outcome]) -> None:
+        for outcome in out:
+            if isinstance(outcome, Admitted):
+                member = next(m for m in entry.window.roster if m.worker == outcome.worker)
+                log.info(
+                    "job %s: %s walked in (ranks %d-%d)",
+                    entry.job,
+                    member.host,
+                    outcome.first_rank,
+                    outcome.first_rank + outcome.ranks - 1,
+                )
+                await self._reply(outcome.worker, entry, admitted=True)
+            elif isinstance(outcome, Refused) and outcome.worker is not None:
+                entry.told.add(outcome.worker)
+                entry.inventories.pop(outcome.worker, None)
+                entry.hellos.pop(outcome.worker, None)
+                await self._reply(outcome.worker, entry, admitted=False, reason=outcome.reason)
+            elif isinstance(outcome, Renumbered):
+                for member in outcome.members:
+                    await self._reply(member.worker, entry, admitted=True)
+            elif isinstance(outcome, Formed):
+                await self._form(entry, outcome)
+            elif isinstance(outcome, Failed):
+                self.entries.pop(entry.job, None)
+                self.c.writer.submit([JobStateWrite(entry.job, JobState.FAILED, outcome.reason)])
+                await self._tell_roster(entry, outcome.reason)
+        for worker in set(entry.inventories) - {m.worker for m in entry.window.roster}:
+            if entry.window.phase.open:  # left before forming
+                entry.inventories.pop(worker, None)
+                entry.hellos.pop(worker, None)
+
+    async def _form(self, entry: WindowEntry, formed: Formed) -> None:
+        """The roster becomes the gang: node rank r is the r-th walk-in admitted."""
+        job, spec = entry.job, entry.spec
+        self.entries.pop(job, None)
+        self.formed[job] = entry
+        while len(self.formed) > FORMED_KEPT:
+            del self.formed[next(iter(self.formed))]
+        hosts = len(formed.roster)
+        world = spec.model_copy(
+            update={"distributed": spec.gang.model_copy(update={"num_workers": hosts})}
+        )
+        members = [entry.inventories[m.worker] for m in formed.roster]
+        outcome = place_gang(
+            world, [WorkerView(inventory=i) for i in members], paths=self.c.supported_paths
+        )
+        if isinstance(outcome, Unplaceable):
+            why = f"the walk-ins cannot form one gang: {outcome.reason}"
+            self.c.writer.submit([JobStateWrite(job, JobState.FAILED, why)])
+            await self._tell_roster(entry, why)
+            return
+        order = {m.worker: r for r, m in enumerate(formed.roster)}
+        placement = Placement(
+            outcome.path, tuple(sorted(outcome.members, key=lambda i: order[i.id]))
+        )
+        await self.c.writer.barrier()
+        await self.c.db(self.c.store.set_job_spec, job, world.model_dump(mode="json"))
+        reserved = await self.c.db(
+            self.c.store.reserve_placements, [(job, placement.worker_ids, placement.path.value)]
+        )
+        epoch = reserved[job]
+        if isinstance(epoch, PlacementConflict):
+            why = f"the walk-ins were taken before the gang formed: {epoch}"
+            self.c.writer.submit([JobStateWrite(job, JobState.FAILED, why)])
+            await self._tell_roster(entry, why)
+            return
+        log.info(
+            "job %s: the world formed on %s with %d host(s), %d rank(s)",
+            job,
+            entry.window.started_by,
+            hosts,
+            formed.world_size,
+        )
+        await self.c.start_placed(job, world, placement, epoch.number, entry.bundle)
+
+    async def _not_open(self, inventory: WorkerInventory) -> None:
+        """A walk-in for a job with no open window: say what became of the job."""
+        assert inventory.join is not None
+        job = inventory.join.job
+        try:
+            record = await self.c.db(self.c.store.job, job)
+        except NotFound:
+            self.told.add(inventory.id)
+            await self._send(inventory.id, job, False, f"there is no job {job}; check --job")
+            return
+        state = JobState(record.state)
+        if (record.spec.get("distributed") or {}).get("membership") != "window":
+            why = f"job {job} is placed by the scheduler (membership: pool), not a join window"
+            self.told.add(inventory.id)
+            await self._send(inventory.id, job, False, why)
+        elif state.is_terminal:
+            self.told.add(inventory.id)
+            why = f"job {job} {state.value}"
+            await self._send(inventory.id, job, False, why, ended=True, state=state.value)
+
+    async def _tell_roster(self, entry: WindowEntry, why: str) -> None:
+        for member in entry.window.roster:
+            self.told.add(member.worker)
+            await self._send(member.worker, entry.job, False, why)
+
+    async def _reply(
+        self, worker: str, entry: WindowEntry, *, admitted: bool, reason: str = ""
+    ) -> None:
+        member = next((m for m in entry.window.roster if m.worker == worker), None)
+        body: dict[str, Any] = {"phase": entry.window.phase.value}
+        if member is not None:
+            body |= {"first_rank": member.first_rank, "ranks": member.ranks}
+        await self._send(worker, entry.job, admitted, reason, **body)
+
+    async def _send(self, worker: str, job: str, admitted: bool, reason: str, **more: Any) -> None:
+        link = self.c.links.get(worker)
+        if link is not None:
+            await link.send(
+                Kind.JOIN_REPLY, {"job": job, "admitted": admitted, "reason": reason, **more}
+            )

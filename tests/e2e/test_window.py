@@ -1,0 +1,204 @@
+"""Walk-ins end to end (seed 003): real controller, `muster join` processes, torchrun, gloo.
+
+A window job waits in the queue while boxes walk in; the world that forms is exactly the
+roster, node rank r being the r-th box admitted; the walk-ins leave when the job ends.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from muster.cli.local import LocalCluster
+from muster.client import Client
+from tests.e2e.helpers import all_lines, submit, wait_state, write_job
+
+pytestmark = pytest.mark.timeout(600)
+
+SCRIPT = """\
+import os
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+t = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(t)
+print(f"rank {dist.get_rank()} of {dist.get_world_size()} sum={t.item():.0f}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    with LocalCluster(agents=0, heartbeat_interval=1.0, heartbeat_timeout=5.0) as c:
+        yield c
+
+
+def window_job(tmp_path: Path, name: str, window: dict[str, Any], hosts: int = 2) -> Path:
+    return write_job(
+        tmp_path / name,
+        name,
+        SCRIPT,
+        distributed={
+            "num_workers": hosts,
+            "procs_per_worker": 1,
+            "backend": "gloo",
+            "membership": "window",
+            "window": window,
+        },
+    )
+
+
+def walk_in(cluster: LocalCluster, job: str, host: str, *extra: str) -> subprocess.Popen[bytes]:
+    assert cluster.data_dir is not None
+    return cluster._spawn(
+        f"join-{host}",
+        [
+            "join",
+            cluster.url,
+            "--job",
+            job,
+            "--host",
+            host,
+            "--work-dir",
+            str(cluster.data_dir / f"join-{host}"),
+            *extra,
+        ],
+        env={"MUSTER_TOKEN": cluster.join_token()},
+    )
+
+
+def wait_window(
+    api: Client, job: str, phase: str, ranks: int | None = None, timeout: float = 60
+) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    view: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        view = api.window(job)
+        if view["phase"] == phase and (ranks is None or view.get("ranks") == ranks):
+            return view
+        time.sleep(0.2)
+    raise AssertionError(f"window of {job} not {phase} ({ranks} ranks) in {timeout}s: {view}")
+
+
+def muster(cluster: LocalCluster, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "muster", *args, "--controller", cluster.url],
+        env={**cluster._env(), "MUSTER_API_TOKEN": cluster.token(), "COLUMNS": "200"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_a_manual_window_holds_two_walk_ins_until_muster_start_then_trains(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    api = cluster.client()
+    job = submit(api, window_job(tmp_path, "manual", {"start": "manual", "quorum": 2}))
+    assert api.job(job)["state"] == "queued"
+    first = walk_in(cluster, job, "box-a")
+    wait_window(api, job, "waiting", ranks=1)
+    refused = muster(cluster, "start", job)
+    assert refused.returncode != 0
+    assert "quorum not met: 1 of 2 ranks" in refused.stderr
+    second = walk_in(cluster, job, "box-b")
+    view = wait_window(api, job, "staging", ranks=2)
+    assert [m["host"] for m in view["roster"]] == ["box-a", "box-b"]
+    assert [m["first_rank"] for m in view["roster"]] == [0, 1]
+    assert view["startable"]
+    shown = muster(cluster, "status", job)
+    assert "window staging" in shown.stdout
+    assert f"startable: muster start {job}" in shown.stdout
+    assert "join window staging" in (api.job(job)["why_pending"] or "")
+    time.sleep(1.5)  # the clock does not form a manual window
+    assert api.window(job)["phase"] == "staging"
+
+    started = muster(cluster, "start", job)
+    assert started.returncode == 0, started.stderr
+    done = wait_state(api, job)
+    assert done["state"] == "succeeded", done["root_cause"]
+    detail = api.job(job)
+    assert detail["world_size"] == 2
+    assert [m["worker"] for m in sorted(detail["members"], key=lambda m: m["node_rank"])] == [
+        "walkin-box-a",
+        "walkin-box-b",
+    ]
+    texts = [ln["text"] for ln in all_lines(api, job) if ln["origin"] == "rank"]
+    assert "rank 0 of 2 sum=3" in texts
+    assert "rank 1 of 2 sum=3" in texts
+    # The walk-ins leave once the job is over, with its verdict as their exit code.
+    assert first.wait(60) == 0
+    assert second.wait(60) == 0
+    again = muster(cluster, "start", job)
+    assert "no open join window (it is succeeded)" in again.stderr
+    after = muster(cluster, "status", job)  # the roster that formed stays on show
+    assert f"{job}: window done (job succeeded)" in after.stdout
+    assert "box-b" in after.stdout
+
+
+def test_an_auto_window_forms_the_moment_its_target_is_in(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    api = cluster.client()
+    job = submit(api, window_job(tmp_path, "auto", {"join_timeout": "10m"}, hosts=3))
+    boxes = [walk_in(cluster, job, f"auto-{i}") for i in range(3)]
+    done = wait_state(api, job, timeout=180)
+    assert done["state"] == "succeeded", done["root_cause"]
+    texts = [ln["text"] for ln in all_lines(api, job) if ln["origin"] == "rank"]
+    assert sorted(t for t in texts if t.startswith("rank")) == [
+        f"rank {r} of 3 sum=6" for r in range(3)
+    ]
+    assert all(box.wait(60) == 0 for box in boxes)
+
+
+def test_a_quorum_never_met_fails_the_job_at_the_hard_cap_and_the_walk_in_leaves(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    api = cluster.client()
+    rules = {"start": "hybrid", "quorum": 2, "join_timeout": 2, "max_join_timeout": 4}
+    job = submit(api, window_job(tmp_path, "lonely", rules))
+    lonely = walk_in(cluster, job, "lonely")
+    done = wait_state(api, job, timeout=60)
+    assert done["state"] == "failed"
+    assert "quorum never met within max_join_timeout (4s): 1 of 2 ranks" in done["root_cause"]
+    assert lonely.wait(30) == 2
+    assert "quorum never met" in cluster.log("join-lonely").read_text()
+
+
+def test_a_walk_in_that_does_not_fit_is_refused_at_the_door_by_name(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    api = cluster.client()
+    job = submit(api, window_job(tmp_path, "door", {"start": "manual"}))
+    wrong = walk_in(cluster, job, "fat-box", "--procs", "3")
+    assert wrong.wait(60) == 2
+    log = cluster.log("join-fat-box").read_text()
+    assert "fat-box offers 3 rank(s) but job" in log
+    assert "--procs 1" in log
+    assert api.window(job)["ranks"] == 0
+    stray = walk_in(cluster, "no-such-job", "stray")
+    assert stray.wait(60) == 2
+    assert "there is no job no-such-job" in cluster.log("join-stray").read_text()
+    api.cancel(job)
+
+
+def test_pool_agents_never_take_a_window_job(cluster: LocalCluster, tmp_path: Path) -> None:
+    """(Who may call start and window: tests/controller/test_auth.py walks every route.)"""
+    api = cluster.client()
+    cluster.start_agent("pool-agent")
+    cluster.wait_for_workers(1)
+    job = submit(api, window_job(tmp_path, "pooled", {"start": "manual", "quorum": 1}, hosts=1))
+    time.sleep(2)
+    assert api.job(job)["state"] == "queued"
+    assert "join window waiting: 0 rank(s) in" in (api.job(job)["why_pending"] or "")
+    assert not any(w["state"] != "idle" for w in api.workers() if w["id"] == "pool-agent")
+    api.cancel(job)
+    cluster.stop("pool-agent")
