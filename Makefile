@@ -37,6 +37,7 @@ bench: setup
 	$(BIN)/python bench/scheduler.py
 	$(BIN)/python bench/store.py
 	$(BIN)/python bench/launch.py
+	$(BIN)/python bench/window.py
 	$(BIN)/python bench/logs.py
 	$(BIN)/python bench/control_plane.py
 	$(BIN)/python bench/net.py

@@ -50,8 +50,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FORMED_KEPT = 256  # formed windows whose roster `muster status` still shows
-# A formed window's phase, from its job's state (before: forming).
+# A window job's phase when the desk holds no open window for it, from the job's state.
 AFTER_FORMING = {
+    "queued": "waiting",  # submitted, its window opens at the next pass
     "running": "training",
     "succeeded": "done",
     "failed": "failed",
