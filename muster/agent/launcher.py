@@ -27,7 +27,7 @@ from muster.agent.reaper import terminate
 from muster.errors import InfrastructureError
 from muster.net import cgroup
 from muster.net.cgroup import RankGroup
-from muster.plan import GangAddressing, launch_env, torchrun_argv
+from muster.plan import GangAddressing, launch_env, rank_plan, torchrun_argv
 from muster.spec import JobSpec, PathClass
 from muster.wire import Kind
 
@@ -163,8 +163,8 @@ class MemberRun:
             # A STOP that came while torchrun was being spawned found no process to end:
             # end it now, so no rank outlives its job.
             self._stop_task = asyncio.create_task(self._end_tree(self.stopping))
-        procs = self.spec.gang.procs_per_worker
-        tailer = RankTailer(capture_dir, self.node * procs, procs, self.emit)
+        ranks = rank_plan(self.spec).nodes[self.node].ranks
+        tailer = RankTailer(capture_dir, ranks.start, len(ranks), self.emit)
         assert self.proc.stdout is not None
         assert self.proc.stderr is not None
         pumps = [

@@ -20,7 +20,7 @@ from muster.cli.main import app, reports_errors
 from muster.client import controller_url, split_token
 from muster.errors import UserError
 from muster.net.wireguard import claim_device, device_unavailable
-from muster.spec import MESH_INTERFACE
+from muster.spec import MESH_INTERFACE, WorkerInventory
 from muster.spec.worker import WalkIn
 from muster.store import ensure_data_dir
 
@@ -104,7 +104,12 @@ def join(
         "--token-file",
         help="file (mode 0600) holding the join string `muster token` prints [or set MUSTER_TOKEN]",
     ),
-    procs: int = typer.Option(1, min=1, max=1024, help="ranks this box offers"),
+    devices: str = typer.Option(
+        None, help="GPUs to offer, e.g. 0,1: one rank each, and the ranks see only these [all]"
+    ),
+    procs: int = typer.Option(
+        None, min=1, max=1024, help="ranks this box offers without GPUs [one per GPU, or 1]"
+    ),
     host: str = typer.Option(None, help="this box's name on the roster [hostname]"),
     name: str = typer.Option(None, help="worker id [walkin-HOST]"),
     python: str = typer.Option(sys.executable, help="the Python the ranks run with"),
@@ -122,6 +127,13 @@ def join(
     """Walk in to a job's join window: offer this box's ranks, run its part once the world
     forms, and leave when the job ends."""
     roster_name = host or socket.gethostname()
+    if devices is not None and procs is not None:
+        raise UserError("--devices and --procs: give one (GPU ranks, or CPU ranks)")
+    offered = parse_devices(devices) if devices is not None else None
+    if offered is not None:
+        # Every rank of this box sees exactly these GPUs (LOCAL_RANK indexes into them), and
+        # so does the inventory probe that counts them.
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, offered))
     serve(
         controller,
         token_file,
@@ -136,7 +148,7 @@ def join(
         path_timeout=60.0,
         grace=grace,
         retention="0",
-        walk_in=WalkIn(job=job, host=roster_name, ranks=procs),
+        walk_in=(job, roster_name, len(offered) if offered is not None else procs),
         backoff=(5.0, 60.0),
     )
 
@@ -156,7 +168,7 @@ def serve(
     path_timeout: float,
     grace: float,
     retention: str,
-    walk_in: WalkIn | None = None,
+    walk_in: tuple[str, str, int | None] | None = None,
     backoff: tuple[float, float] | None = None,
 ) -> None:
     """Run an agent until its link ends (or for ever with ``persist``); exits with its code."""
@@ -183,14 +195,17 @@ def serve(
         worker_id=worker_id,
         work_dir=work_dir or ensure_data_dir() / "agents" / worker_id,
         python=python,
-        inventory=lambda: collect(
-            worker_id,
-            python,
-            address,
-            private_network,
-            interface=bound_interface,
-            device=device_name,
-        ).model_copy(update={"join": walk_in}),
+        inventory=lambda: offer(
+            collect(
+                worker_id,
+                python,
+                address,
+                private_network,
+                interface=bound_interface,
+                device=device_name,
+            ),
+            walk_in,
+        ),
         persist=persist,
         grace=grace,
         retention=keep_for,
@@ -213,3 +228,25 @@ def serve(
         if claim is not None:
             claim.close()  # (the name is this agent's until here)
     raise typer.Exit(code)
+
+
+def parse_devices(text: str) -> list[int]:
+    try:
+        found = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        found = []
+    if not found or any(d < 0 for d in found) or len(set(found)) != len(found):
+        raise UserError(f"--devices {text!r}: list distinct GPU indices, e.g. --devices 0,1")
+    return found
+
+
+def offer(
+    inventory: WorkerInventory, walk_in: tuple[str, str, int | None] | None
+) -> WorkerInventory:
+    """A walk-in's inventory names its job, its roster name and its ranks: as asked, else one
+    per GPU it sees, else one."""
+    if walk_in is None:
+        return inventory
+    job, host, ranks = walk_in
+    ranks = ranks or inventory.gpus.count or 1
+    return inventory.model_copy(update={"join": WalkIn(job=job, host=host, ranks=ranks)})

@@ -11,8 +11,13 @@ from muster.spec.job import JobSpec
 def summary(spec: JobSpec) -> str:
     gang = spec.gang
     plan = rank_plan(spec)
+    per_node = (
+        f"x {plan.procs_per_node} proc(s)"
+        if plan.uniform
+        else "(" + " + ".join(str(len(n.ranks)) for n in plan.nodes) + " procs)"
+    )
     return (
-        f"job {spec.name}: {plan.num_nodes} node(s) x {plan.procs_per_node} proc(s) = "
+        f"job {spec.name}: {plan.num_nodes} node(s) {per_node} = "
         f"world size {plan.world_size}, backend {spec.backend}, "
         f"device {spec.resources.effective_device}, network {gang.network}, "
         f"transport {gang.transport}"

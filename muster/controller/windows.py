@@ -107,13 +107,12 @@ def hello_of(inventory: WorkerInventory, job: str, bundle: str | None) -> Hello:
 def door(entry: WindowEntry, inventory: WorkerInventory) -> str:
     """Why this walk-in may not join ``entry``'s cohort ("" when it may)."""
     assert inventory.join is not None
-    gang = entry.spec.gang
-    if inventory.join.ranks != gang.procs_per_worker:
+    gang, walk_in = entry.spec.gang, inventory.join
+    if entry.spec.resources.effective_device == "cuda" and inventory.gpus.count < walk_in.ranks:
         return (
-            f"{inventory.join.host} offers {inventory.join.ranks} rank(s) but job {entry.job} "
-            f"runs {gang.procs_per_worker} per host (procs_per_worker); join with --procs "
-            f"{gang.procs_per_worker} (a world of hosts with different rank counts is not "
-            "supported yet)"
+            f"{walk_in.host} offers {walk_in.ranks} rank(s) but has {inventory.gpus.count} "
+            f"GPU(s), and job {entry.job} runs on cuda (one rank per GPU): join with --devices "
+            "listing its GPUs"
         )
     if not inventory.torchrun:
         return f"{inventory.join.host} has no torchrun (torch missing); install torch there"
@@ -329,9 +328,8 @@ class WindowDesk:
         while len(self.formed) > FORMED_KEPT:
             del self.formed[next(iter(self.formed))]
         hosts = len(formed.roster)
-        world = spec.model_copy(
-            update={"distributed": spec.gang.model_copy(update={"num_workers": hosts})}
-        )
+        sized = {"num_workers": hosts, "node_procs": [m.ranks for m in formed.roster]}
+        world = spec.model_copy(update={"distributed": spec.gang.model_copy(update=sized)})
         members = [entry.inventories[m.worker] for m in formed.roster]
         outcome = place_gang(
             world, [WorkerView(inventory=i) for i in members], paths=self.c.supported_paths

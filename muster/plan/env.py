@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from muster.errors import PlatformError
+from muster.plan.ranks import node_procs
 from muster.spec.job import JobSpec
 from muster.spec.network import PathClass
 from muster.spec.rules import PLATFORM_ENV, PLATFORM_ENV_PREFIXES
@@ -125,7 +126,7 @@ def launch_env(
             "MUSTER_JOB": spec.name,
             "MUSTER_NODE_RANK": str(node_rank),
             "MUSTER_NUM_NODES": str(spec.gang.num_workers),
-            "MUSTER_PROCS_PER_NODE": str(spec.gang.procs_per_worker),
+            "MUSTER_PROCS_PER_NODE": str(node_procs(spec)[node_rank]),
             "MUSTER_NODE_IPS": ",".join(gang.addresses),
             "MASTER_ADDR": gang.master_addr,
             "MASTER_PORT": str(gang.master_port),

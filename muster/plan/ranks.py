@@ -1,10 +1,13 @@
 """The rank plan and the exact torchrun command every node runs (seed 001, steps 3 and 5).
 
-Node rank r hosts global ranks [r*P, (r+1)*P) for P processes per node.
+Node rank r hosts global ranks [r*P, (r+1)*P) for P processes per node; a world a join
+window formed from boxes of different sizes lists each node's count (``node_procs``), and
+node r hosts the next that many ranks.
 """
 
 from __future__ import annotations
 
+import bisect
 import shlex
 from dataclasses import dataclass
 
@@ -25,24 +28,41 @@ class NodePlan:
 @dataclass(frozen=True)
 class RankPlan:
     num_nodes: int
-    procs_per_node: int
+    procs_per_node: int  # the spec's procs_per_worker; nodes[r].ranks says each node's own
     nodes: tuple[NodePlan, ...]
 
     @property
     def world_size(self) -> int:
-        return self.num_nodes * self.procs_per_node
+        return self.nodes[-1].ranks.stop if self.nodes else 0
+
+    @property
+    def uniform(self) -> bool:
+        return all(len(n.ranks) == self.procs_per_node for n in self.nodes)
 
     def node_of(self, global_rank: int) -> int:
         """The node rank that hosts ``global_rank``."""
         if not 0 <= global_rank < self.world_size:
             raise BadRequest(f"rank {global_rank} is outside 0..{self.world_size - 1}")
-        return global_rank // self.procs_per_node
+        starts = [n.ranks.start for n in self.nodes]
+        return bisect.bisect_right(starts, global_rank) - 1
+
+
+def node_procs(spec: JobSpec) -> tuple[int, ...]:
+    """Each node's process count, in node order: ``distributed.node_procs`` for a world a
+    join window formed from boxes of different sizes, else ``procs_per_worker`` each."""
+    gang = spec.gang
+    if gang.node_procs:
+        return tuple(gang.node_procs)
+    return (gang.procs_per_worker,) * gang.num_workers
 
 
 def rank_plan(spec: JobSpec) -> RankPlan:
-    n, p = spec.gang.num_workers, spec.gang.procs_per_worker
-    nodes = tuple(NodePlan(r, range(r * p, (r + 1) * p)) for r in range(n))
-    return RankPlan(num_nodes=n, procs_per_node=p, nodes=nodes)
+    """Node r hosts the next ``node_procs(spec)[r]`` global ranks: contiguous, in node order."""
+    nodes, first = [], 0
+    for r, count in enumerate(node_procs(spec)):
+        nodes.append(NodePlan(r, range(first, first + count)))
+        first += count
+    return RankPlan(len(nodes), spec.gang.procs_per_worker, tuple(nodes))
 
 
 def entrypoint_argv(spec: JobSpec) -> list[str]:
@@ -70,6 +90,7 @@ def torchrun_argv(
     gang = spec.gang
     if not 0 <= node_rank < gang.num_workers:
         raise BadRequest(f"node rank {node_rank} is outside 0..{gang.num_workers - 1}")
+    procs = node_procs(spec)[node_rank]
     return [
         python,
         "-m",
@@ -77,7 +98,7 @@ def torchrun_argv(
         "--nnodes",
         str(gang.num_workers),
         "--nproc-per-node",
-        str(gang.procs_per_worker),
+        str(procs),
         "--node-rank",
         str(node_rank),
         "--master-addr",

@@ -117,6 +117,11 @@ class Distributed(_Model):
     window: JoinWindow | None = Field(
         default=None, description="the join window of a window job (membership: window)"
     )
+    node_procs: list[int] | None = Field(
+        default=None,
+        description="processes per node, in node order, where they differ: written by the "
+        "controller for the world a join window formed (each box brings its own ranks)",
+    )
     probe_seconds: float | None = Field(
         default=10.0,
         ge=0,

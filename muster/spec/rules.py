@@ -11,7 +11,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from muster.errors import FieldError
-from muster.spec.job import JobSpec, JoinWindow
+from muster.spec.job import MAX_PROCS_PER_WORKER, JobSpec, JoinWindow
 
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -195,6 +195,21 @@ def _distributed(spec: JobSpec) -> Iterator[FieldError]:
         )
     if dist.membership == "window":
         yield from window_problems(dist.window or JoinWindow(), "distributed.window")
+    if dist.node_procs is not None:
+        if dist.membership != "window":
+            yield FieldError(
+                "distributed.node_procs",
+                "is for a world a join window formed (membership: window); a pool gang runs "
+                "procs_per_worker on every node: remove it",
+            )
+        if len(dist.node_procs) != dist.num_workers or not all(
+            1 <= n <= MAX_PROCS_PER_WORKER for n in dist.node_procs
+        ):
+            yield FieldError(
+                "distributed.node_procs",
+                f"must list num_workers ({dist.num_workers}) counts, each 1.."
+                f"{MAX_PROCS_PER_WORKER}",
+            )
 
 
 def window_problems(join: JoinWindow, at: str) -> Iterator[FieldError]:

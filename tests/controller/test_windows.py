@@ -47,11 +47,10 @@ def test_quorum_and_target_default_to_the_jobs_size_and_manual_has_no_target() -
     assert (manual.quorum, manual.target) == (4, None)
 
 
-def test_the_door_names_the_rank_count_and_the_cohorts_torch() -> None:
+def test_the_door_names_the_cohorts_torch_and_a_gpu_job_wants_a_gpu_per_rank() -> None:
     entry = open_entry("walk-1", spec(), "ab" * 32, 0.0)
     assert door(entry, walk_in("a")) == ""
-    assert "offers 3 rank(s)" in door(entry, walk_in("b", ranks=3))
-    assert "--procs 2" in door(entry, walk_in("b", ranks=3))
+    assert door(entry, walk_in("b", ranks=3)) == ""  # a box brings its own rank count
     first = walk_in("a")
     entry.hellos[first.id] = hello_of(first, "walk-1", "ab" * 32)
     why = door(entry, walk_in("c", torch="2.12.0"))
@@ -65,3 +64,18 @@ def test_the_why_pending_line_leads_with_the_phase_and_names_the_start() -> None
     assert "hard cap in 899s" in line
     window, _ = step(entry.window, Join("w", "a", 2), 102.0)
     assert "startable: muster start walk-1" in summary("walk-1", window, 102.0)
+
+
+def test_a_cuda_job_refuses_a_box_with_fewer_gpus_than_ranks() -> None:
+    gpu = parse_job(
+        {
+            "name": "walk",
+            "entrypoint": "train.py",
+            "resources": {"gpus": 1},
+            "distributed": {"num_workers": 2, "membership": "window"},
+        }
+    )
+    entry = open_entry("walk-1", gpu, None, 0.0)
+    why = door(entry, walk_in("cpu", ranks=2))
+    assert "cpu offers 2 rank(s) but has 0 GPU(s)" in why
+    assert "--devices" in why

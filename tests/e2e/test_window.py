@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from muster.cli.local import LocalCluster
 from muster.client import Client
@@ -177,17 +178,49 @@ def test_a_walk_in_that_does_not_fit_is_refused_at_the_door_by_name(
     cluster: LocalCluster, tmp_path: Path
 ) -> None:
     api = cluster.client()
-    job = submit(api, window_job(tmp_path, "door", {"start": "manual"}))
-    wrong = walk_in(cluster, job, "fat-box", "--procs", "3")
-    assert wrong.wait(60) == 2
-    log = cluster.log("join-fat-box").read_text()
-    assert "fat-box offers 3 rank(s) but job" in log
-    assert "--procs 1" in log
+    path = window_job(tmp_path, "door", {"start": "manual"})
+    data = yaml.safe_load(path.read_text())
+    data["resources"] = {"gpus": 1, "device": "cuda"}  # gloo on GPUs: this box has none
+    path.write_text(yaml.safe_dump(data))
+    job = submit(api, path)
+    cpu_box = walk_in(cluster, job, "cpu-box", "--procs", "2")
+    assert cpu_box.wait(60) == 2
+    log = cluster.log("join-cpu-box").read_text()
+    assert "cpu-box offers 2 rank(s) but has 0 GPU(s)" in log
+    assert "--devices" in log
     assert api.window(job)["ranks"] == 0
     stray = walk_in(cluster, "no-such-job", "stray")
     assert stray.wait(60) == 2
     assert "there is no job no-such-job" in cluster.log("join-stray").read_text()
     api.cancel(job)
+
+
+def test_boxes_of_different_sizes_form_one_world_with_contiguous_ranks(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    api = cluster.client()
+    job = submit(api, window_job(tmp_path, "mixed", {"quorum": 3, "target_ranks": 3}))
+    big = walk_in(cluster, job, "big", "--procs", "2")
+    wait_window(api, job, "waiting", ranks=2)
+    small = walk_in(cluster, job, "small")
+    done = wait_state(api, job, timeout=180)
+    assert done["state"] == "succeeded", done["root_cause"]
+    detail = api.job(job)
+    assert detail["world_size"] == 3
+    assert detail["spec"]["distributed"]["node_procs"] == [2, 1]
+    nodes = sorted(detail["members"], key=lambda m: m["node_rank"])
+    assert [(m["worker"], m["ranks"]) for m in nodes] == [
+        ("walkin-big", [0, 1]),
+        ("walkin-small", [2, 2]),
+    ]
+    texts = [ln["text"] for ln in all_lines(api, job) if ln["origin"] == "rank"]
+    assert sorted(t for t in texts if t.startswith("rank")) == [
+        f"rank {r} of 3 sum=6" for r in range(3)
+    ]
+    on_small = api.logs(job, node=1)["lines"]
+    assert {ln["rank"] for ln in on_small if ln["origin"] == "rank"} == {2}
+    assert big.wait(60) == 0
+    assert small.wait(60) == 0
 
 
 def test_pool_agents_never_take_a_window_job(cluster: LocalCluster, tmp_path: Path) -> None:

@@ -183,3 +183,17 @@ def test_on_the_direct_path_each_rank_binds_its_own_agents_device() -> None:
     assert gang.interfaces == ("muster0", "muster1", "muster2")
     env = launch_env(job(), 1, gang)
     assert env["GLOO_SOCKET_IFNAME"] == env["NCCL_SOCKET_IFNAME"] == "muster1"
+
+
+def test_each_node_is_told_its_own_process_count_in_a_mixed_world() -> None:
+    base = parse_job(
+        {
+            "name": "j",
+            "entrypoint": "t.py",
+            "distributed": {"num_workers": 3, "membership": "window", "node_procs": [2, 1, 4]},
+        }
+    )
+    counts = [
+        env_for(PathClass.PRIVATE, node=n, spec=base)["MUSTER_PROCS_PER_NODE"] for n in range(3)
+    ]
+    assert counts == ["2", "1", "4"]

@@ -100,3 +100,32 @@ def test_real_torchrun_accepts_the_command(entrypoint: str) -> None:
     assert (args.master_addr, args.master_port, args.max_restarts) == ("10.1.2.3", 29555, 0)
     assert args.module == (entrypoint != "train.py")
     assert [args.training_script, *args.training_script_args][-2:] == ["--lr", "0.1"]
+
+
+def test_a_formed_world_of_boxes_of_different_sizes_keeps_ranks_contiguous() -> None:
+    """A join window's world: each node runs its own box's count, in admission order."""
+    world = spec(3, 1, distributed={"num_workers": 3, "membership": "window"})
+    world = world.model_copy(
+        update={"distributed": world.gang.model_copy(update={"node_procs": [2, 1, 3]})}
+    )
+    plan = rank_plan(world)
+    assert [list(n.ranks) for n in plan.nodes] == [[0, 1], [2], [3, 4, 5]]
+    assert plan.world_size == 6
+    assert [plan.node_of(r) for r in range(6)] == [0, 0, 1, 2, 2, 2]
+    with pytest.raises(BadRequest):
+        plan.node_of(6)
+    argv = torchrun_argv(world, 2, "10.0.0.1", 29500)
+    assert argv[argv.index("--nproc-per-node") + 1] == "3"
+
+
+@given(st.lists(st.integers(1, 8), min_size=1, max_size=12))
+def test_every_rank_lives_on_exactly_one_node(counts: list[int]) -> None:
+    base = spec(len(counts), 1, distributed={"num_workers": len(counts), "membership": "window"})
+    world = base.model_copy(
+        update={"distributed": base.gang.model_copy(update={"node_procs": counts})}
+    )
+    plan = rank_plan(world)
+    assert plan.world_size == sum(counts)
+    for node in plan.nodes:
+        assert len(node.ranks) == counts[node.node_rank]
+        assert all(plan.node_of(r) == node.node_rank for r in node.ranks)

@@ -122,6 +122,18 @@ REFUSALS = [
         "membership: window",
     ),
     (
+        "node_procs on a pool job",
+        job(distributed=dist(node_procs=[1, 2])),
+        "distributed.node_procs",
+        "membership: window",
+    ),
+    (
+        "node_procs of the wrong length",
+        job(distributed=dist(membership="window", node_procs=[1])),
+        "distributed.node_procs",
+        "num_workers (2)",
+    ),
+    (
         "manual window with a target",
         job(distributed=dist(membership="window", window={"start": "manual", "target_ranks": 2})),
         "distributed.window.target_ranks",
