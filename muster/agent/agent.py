@@ -32,6 +32,7 @@ from muster.agent.capture import Line
 from muster.agent.launcher import MemberRun
 from muster.agent.network import GangNetwork
 from muster.agent.retention import remove_stale_job_dirs
+from muster.agent.tunnel import SshTunnel
 from muster.client import pinned_ssl_context
 from muster.errors import InfrastructureError
 from muster.spec import MESH_INTERFACE, WorkerInventory
@@ -94,6 +95,9 @@ class AgentConfig:
     path_timeout: float = 60.0
     # The name of this agent's WireGuard device (claimed by `muster agent`, one per agent).
     device: str = MESH_INTERFACE
+    # `muster join --ssh`: each dial goes through a fresh OpenSSH forward (``controller`` is
+    # then its local end).
+    tunnel: SshTunnel | None = None
 
 
 @dataclass
@@ -180,6 +184,8 @@ class Agent:
         finally:
             beats.cancel()
             collector.cancel()
+            if self.config.tunnel is not None:
+                await self.config.tunnel.close()
             await self.network.down(closing=True)
             await self.network.sweep_rules()
 
@@ -217,6 +223,8 @@ class Agent:
         while True:
             self.welcomed = False
             try:
+                if self.config.tunnel is not None:
+                    await self.config.tunnel.open()
                 await self._session()
                 reason = "the controller closed the link"
             except AuthRefused as exc:
@@ -596,7 +604,7 @@ class Agent:
 def _reflector(config: AgentConfig) -> tuple[str, int] | None:
     """The controller's UDP reflector: its host, on its port number."""
     url = urlparse(config.controller)
-    if not url.hostname:
+    if not url.hostname or config.tunnel is not None:  # ssh forwards no UDP
         return None
     return url.hostname, url.port or (443 if url.scheme == "https" else 80)
 

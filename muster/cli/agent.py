@@ -8,12 +8,14 @@ import os
 import socket
 import sys
 from pathlib import Path
+from urllib.parse import urlparse
 
 import typer
 
 from muster.agent.agent import Agent, AgentConfig
 from muster.agent.inventory import advertise_address_for, check_interface, collect
 from muster.agent.retention import remove_stale_job_dirs
+from muster.agent.tunnel import SshTunnel
 from muster.cli.common import read_secret
 from muster.cli.gc import parse_retention
 from muster.cli.main import app, reports_errors
@@ -123,6 +125,16 @@ def join(
         False, help="when refused, or the link is lost, dial again (5 s doubling to 60 s)"
     ),
     grace: float = typer.Option(10.0, help="seconds between SIGTERM and SIGKILL on stop"),
+    ssh: str = typer.Option(
+        None,
+        help="[user@]host[:port]: dial through an ssh -L forward to this host (fresh each "
+        "dial, never a password prompt); CONTROLLER is then the controller as that host sees "
+        "it [http://127.0.0.1:7070]",
+    ),
+    ssh_identity: Path = typer.Option(None, help="the key ssh uses (-i)"),
+    ssh_option: list[str] = typer.Option(
+        [], "--ssh-option", help="an ssh -o option, Key=Value (repeatable)"
+    ),
 ) -> None:
     """Walk in to a job's join window: offer this box's ranks, run its part once the world
     forms, and leave when the job ends."""
@@ -134,6 +146,20 @@ def join(
         # Every rank of this box sees exactly these GPUs (LOCAL_RANK indexes into them), and
         # so does the inventory probe that counts them.
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, offered))
+    tunnel = None
+    if ssh is not None:
+        seen = urlparse(controller_url(controller))
+        bad = [o for o in ssh_option if "=" not in o or o.startswith("-")]
+        if bad:
+            raise UserError(f"--ssh-option {bad[0]!r}: write Key=Value (e.g. Port=2222)")
+        tunnel = SshTunnel(
+            ssh,
+            seen.hostname or "127.0.0.1",
+            seen.port or (443 if seen.scheme == "https" else 80),
+            identity_file=str(ssh_identity) if ssh_identity else None,
+            options=list(ssh_option),
+        )
+        controller = tunnel.url(seen.scheme or "http")
     serve(
         controller,
         token_file,
@@ -150,6 +176,7 @@ def join(
         retention="0",
         walk_in=(job, roster_name, len(offered) if offered is not None else procs),
         backoff=(5.0, 60.0),
+        tunnel=tunnel,
     )
 
 
@@ -170,6 +197,7 @@ def serve(
     retention: str,
     walk_in: tuple[str, str, int | None] | None = None,
     backoff: tuple[float, float] | None = None,
+    tunnel: SshTunnel | None = None,
 ) -> None:
     """Run an agent until its link ends (or for ever with ``persist``); exits with its code."""
     keep_for = parse_retention(retention, "--retention")
@@ -183,7 +211,11 @@ def serve(
     # The ranks this agent starts never see it (muster.plan.env scrubs it too).
     os.environ.pop("MUSTER_TOKEN", None)
     secret, pin = split_token(token)
-    address = advertise_address or advertise_address_for(url)
+    # Through a tunnel the controller is local: the ranks' address is the one that routes to
+    # the ssh host.
+    address = advertise_address or advertise_address_for(
+        f"ssh://{tunnel.host}" if tunnel is not None else url
+    )
     bound_interface = check_interface(interface) if interface else None
     device_name, claim = MESH_INTERFACE, None
     if device_unavailable() is None:  # it can make devices: claim a name no other agent has
@@ -214,6 +246,7 @@ def serve(
     )
     if backoff is not None:
         config.backoff = backoff
+    config.tunnel = tunnel
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if path_timeout < 30:
         logging.getLogger("muster.agent").warning(

@@ -1,0 +1,115 @@
+"""A throwaway OpenSSH server on a loopback port, with generated keys (tests of `muster join
+--ssh` and the guarded join sshd recipe). The client key's authorized_keys line is the
+README's guarded recipe: forwarding only to the controller's port, no shell, no pty."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+SSHD_PATHS = ("/usr/sbin/sshd", "/usr/bin/sshd")
+
+
+@dataclass
+class Sshd:
+    port: int
+    key: Path  # the client's private key
+    known_hosts: Path
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    @property
+    def client_options(self) -> list[str]:
+        """ssh -o options a test client needs (this server's own host key file)."""
+        return [f"UserKnownHostsFile={self.known_hosts}", "StrictHostKeyChecking=yes"]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+        if self.proc.poll() is None:
+            self.proc.kill()
+
+
+def sshd_binary() -> str | None:
+    found = shutil.which("sshd")
+    return found or next((p for p in SSHD_PATHS if os.path.exists(p)), None)
+
+
+def guarded_key_line(public_key: str, controller_port: int) -> str:
+    """The guarded join sshd recipe (README): this key may forward to the controller's port
+    on loopback and do nothing else."""
+    return (
+        f'restrict,port-forwarding,permitopen="127.0.0.1:{controller_port}",'
+        f'command="/bin/false" {public_key}'
+    )
+
+
+def start_sshd(root: Path, controller_port: int) -> tuple[Sshd | None, str]:
+    """An sshd for the current user on a free loopback port; (None, why) when none can run."""
+    binary = sshd_binary()
+    if binary is None:
+        return None, "no sshd (Debian's openssh-server; .ci/run installs it)"
+    root.mkdir(parents=True, exist_ok=True)
+    os.chmod(root, 0o700)
+    host_key, key = root / "host_ed25519", root / "client_ed25519"
+    for path in (host_key, key):
+        subprocess.run(
+            ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)],
+            check=True,
+            capture_output=True,
+        )
+    authorized = root / "authorized_keys"
+    public = (key.with_suffix(".pub")).read_text().strip()
+    authorized.write_text(guarded_key_line(public, controller_port) + "\n")
+    os.chmod(authorized, 0o600)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    known_hosts = root / "known_hosts"
+    host_public = host_key.with_suffix(".pub").read_text().split()
+    known_hosts.write_text(f"[127.0.0.1]:{port} {host_public[0]} {host_public[1]}\n")
+    config = root / "sshd_config"
+    config.write_text(
+        "\n".join(
+            [
+                f"Port {port}",
+                "ListenAddress 127.0.0.1",
+                f"HostKey {host_key}",
+                f"AuthorizedKeysFile {authorized}",
+                f"PidFile {root / 'sshd.pid'}",
+                "PasswordAuthentication no",
+                "KbdInteractiveAuthentication no",
+                "PermitRootLogin prohibit-password",
+                "StrictModes no",
+                "UsePAM no",
+                "AllowTcpForwarding local",
+                "X11Forwarding no",
+                "PrintMotd no",
+                "LogLevel VERBOSE",
+                "",
+            ]
+        )
+    )
+    Path("/run/sshd").mkdir(parents=True, exist_ok=True)  # privilege separation directory
+    log = root / "sshd.log"
+    proc = subprocess.Popen(
+        [binary, "-D", "-e", "-f", str(config)],
+        stdout=subprocess.DEVNULL,
+        stderr=open(log, "wb"),  # noqa: SIM115 - owned by the process
+    )
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return None, f"sshd exited {proc.returncode}: {log.read_text()[-400:]}"
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+            return Sshd(port, key, known_hosts, proc, log), ""
+        time.sleep(0.1)
+    proc.kill()
+    return None, "sshd did not listen within 15 s"
