@@ -51,8 +51,12 @@ def guarded_key_line(public_key: str, controller_port: int) -> str:
     )
 
 
-def start_sshd(root: Path, controller_port: int) -> tuple[Sshd | None, str]:
-    """An sshd for the current user on a free loopback port; (None, why) when none can run."""
+def start_sshd(
+    root: Path, controller_port: int, *, guarded: bool = True
+) -> tuple[Sshd | None, str]:
+    """An sshd for the current user on a free loopback port; (None, why) when none can run.
+    ``guarded``: the join recipe (local forwards to the controller's port only, no command);
+    otherwise a plain key that may run commands and forward back (``muster up``'s fan-out)."""
     binary = sshd_binary()
     if binary is None:
         return None, "no sshd (Debian's openssh-server; .ci/run installs it)"
@@ -67,7 +71,8 @@ def start_sshd(root: Path, controller_port: int) -> tuple[Sshd | None, str]:
         )
     authorized = root / "authorized_keys"
     public = (key.with_suffix(".pub")).read_text().strip()
-    authorized.write_text(guarded_key_line(public, controller_port) + "\n")
+    line = guarded_key_line(public, controller_port) if guarded else public
+    authorized.write_text(line + "\n")
     os.chmod(authorized, 0o600)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -89,7 +94,7 @@ def start_sshd(root: Path, controller_port: int) -> tuple[Sshd | None, str]:
                 "PermitRootLogin prohibit-password",
                 "StrictModes no",
                 "UsePAM no",
-                "AllowTcpForwarding local",
+                f"AllowTcpForwarding {'local' if guarded else 'yes'}",
                 "X11Forwarding no",
                 "PrintMotd no",
                 "LogLevel VERBOSE",

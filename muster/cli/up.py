@@ -1,44 +1,41 @@
-"""``muster up muster.cluster.yml``: the cluster file's workers and join window.
+"""``muster up muster.cluster.yml JOB.yaml``: run a job on the cluster file's workers.
 
-``--dry-run`` validates the file and prints the window, every host with its ranks and the
-ssh command ``muster up`` reaches it by, without connecting anywhere.
+The job goes in as a window job sized to the workers (quorum and target: every configured
+rank, unless ``controller.join`` says otherwise), one walk-in per worker is started over SSH
+(muster.cli.fanout), and the job's lines are followed until it ends; the exit code is the
+job's verdict. ``--dry-run`` validates the file (and the job) and prints the window, every
+host with its ranks and the ssh command that reaches it, without connecting anywhere.
 """
 
 from __future__ import annotations
 
 import shlex
+import sys
+import tempfile
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
 
 import typer
 from rich.table import Table
 
+from muster.cli.common import ControllerOpt, TokenFileOpt, client, read_secret
+from muster.cli.fanout import capacity, ssh_argv, start_session, stop_sessions, watch
+from muster.cli.follow import follow_logs
 from muster.cli.main import app, err, out, reports_errors
+from muster.client import controller_url
 from muster.errors import UserError
-from muster.spec import load_cluster_file
-from muster.spec.cluster import ClusterFile, Worker
+from muster.spec import JobSpec, load_cluster_file, load_job_file, parse_job
+from muster.spec.cluster import ClusterFile
 
 LOOPBACK = ("127.", "::1", "localhost")
 
 
-def ssh_argv(worker: Worker) -> list[str]:
-    """The OpenSSH client's argv for ``worker``: never a password prompt, and a forward that
-    cannot be set up ends the session instead of running without it."""
-    ssh = worker.ssh
-    argv = ["ssh", "-o", "BatchMode=yes", "-o", "ExitOnForwardFailure=yes", "-p", str(ssh.port)]
-    if ssh.identity_file:
-        argv += ["-i", str(Path(ssh.identity_file).expanduser())]
-    for option in ssh.options:
-        argv += ["-o", option]
-    target = ssh.target or worker.host
-    argv.append(f"{ssh.user}@{target}" if ssh.user else target)
-    return argv
-
-
 def describe(cluster: ClusterFile) -> None:
     ctl, join = cluster.controller, cluster.controller.join
-    capacity = cluster.capacity
+    total = cluster.capacity
     out.print(f"[green]valid[/] controller {ctl.host}:{ctl.port}, {len(cluster.workers)} worker(s)")
-    ranks = f"{capacity}" if capacity is not None else "probed at dispatch (devices: all)"
+    ranks = f"{total}" if total is not None else "probed at dispatch (devices: all)"
     quorum = cluster.quorum() or "every configured rank"
     target = cluster.target() if join.start != "manual" else "none (manual)"
     out.print(
@@ -83,19 +80,90 @@ def describe(cluster: ClusterFile) -> None:
     out.print("ranks are given in the order hosts are admitted; the table shows worker order")
 
 
+def window_spec(spec: JobSpec, cluster: ClusterFile, total: int) -> JobSpec:
+    """The job as a window job on these workers: the window's settings from the cluster
+    file, quorum and target from the (probed) capacity, the cluster's env under the job's."""
+    join = cluster.controller.join
+    data: dict[str, Any] = spec.model_dump(mode="json", exclude_none=True)
+    dist = data.get("distributed") or {}
+    window = join.model_dump(mode="json", exclude_none=True)
+    window["quorum"] = cluster.quorum(total)
+    if join.start != "manual":
+        window["target_ranks"] = cluster.target(total)
+    dist.update(
+        num_workers=len(cluster.workers),
+        procs_per_worker=1,
+        membership="window",
+        window=window,
+    )
+    dist.pop("node_procs", None)
+    data["distributed"] = dist
+    data["env"] = {**cluster.env, **spec.env}
+    return parse_job(data, source="the job on this cluster")
+
+
 @app.command()
 @reports_errors
 def up(
     cluster_file: Path = typer.Argument(..., help="the cluster file (muster.cluster.yml)"),
+    job_file: Path = typer.Argument(None, help="the job to run on its workers"),
     dry_run: bool = typer.Option(
         False, "--dry-run", help="validate and print hosts, ranks and ssh targets; connect nowhere"
     ),
+    controller: str = ControllerOpt,
+    token_file: Path | None = TokenFileOpt,
+    join_token_file: Path = typer.Option(
+        None,
+        "--join-token-file",
+        help="file (mode 0600) holding the join string `muster token` prints, handed to each "
+        "worker over its ssh session [or set MUSTER_TOKEN]",
+    ),
 ) -> None:
-    """Start the cluster file's workers over SSH and open the join window."""
+    """Run a job on the cluster file's workers: one walk-in per worker over SSH, dialling
+    back through a reverse forward; follows the job's lines until it ends."""
     cluster = load_cluster_file(cluster_file)
+    spec = load_job_file(job_file) if job_file is not None else None
     describe(cluster)
-    if not dry_run:
+    if dry_run:
+        return
+    if spec is None or job_file is None:
+        raise UserError("name the job to run: muster up CLUSTER_FILE JOB.yaml")
+    if not cluster.workers:
+        raise UserError(f"{cluster_file}: no workers to start; list them under workers:")
+    join = read_secret(join_token_file, "MUSTER_TOKEN", "the join string")
+    if join is None:
         raise UserError(
-            "starting agents over SSH is not available yet in this version: the file above is "
-            "valid; run `muster agent` on each host (or `muster up --dry-run` to check a file)"
+            "no join string for the workers: pass --join-token-file (what `muster token` "
+            "prints on the controller, chmod 600) or set MUSTER_TOKEN"
         )
+    ctl = cluster.controller
+    host = "127.0.0.1" if ctl.host in ("0.0.0.0", "::") else ctl.host
+    url = urlparse(controller_url(controller or f"http://{host}:{ctl.port}"))
+    api = client(controller or url.geturl(), token_file)
+    total, _ranks = capacity(cluster)  # devices: all -> nvidia-smi over ssh, now
+    world = window_spec(spec, cluster, total)
+    job = api.submit_with_bundle(world, (job_file.parent / world.workdir).resolve())["id"]
+    err.print(f"submitted {job}: a window of {total} rank(s) on {len(cluster.workers)} host(s)")
+    logs = Path(tempfile.mkdtemp(prefix=f"muster-up-{job}-"))
+    sessions = []
+    try:
+        for worker in cluster.workers:
+            session = start_session(
+                worker,
+                job,
+                (url.scheme, url.hostname or "127.0.0.1", url.port or 80),
+                join,
+                logs / f"{worker.host}.log",
+            )
+            sessions.append(session)
+            err.print(f"[{worker.host}] joining through ssh (log: {session.log})", markup=False)
+        watch(sessions, sys.stderr)
+        state = follow_logs(api, job)
+    except BaseException:  # a worker ssh could not reach, or Ctrl-C: the job goes too
+        if api.job(job)["state"] not in ("succeeded", "failed", "cancelled"):
+            api.cancel(job)
+        raise
+    finally:
+        stop_sessions(sessions)
+    err.print(f"{job} {state}; the workers' sessions are in {logs}", markup=False)
+    raise typer.Exit(0 if state == "succeeded" else 1)

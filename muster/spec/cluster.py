@@ -76,6 +76,12 @@ class Worker(_Model):
     data_path: str | None = Field(default=None, description="the data root ranks read here")
     env: dict[str, str] = Field(default_factory=dict, description="this host's ranks' env")
     gpu_ram_share: float | None = Field(default=None, gt=0, le=4)
+    python: str = Field(
+        default="python3", min_length=1, description="the Python muster runs with on this host"
+    )
+    work_dir: str | None = Field(
+        default=None, description="where its agent unpacks and runs jobs [the agent's data dir]"
+    )
 
     @property
     def ranks(self) -> int | None:
@@ -173,7 +179,7 @@ def _workers(cluster: ClusterFile) -> Iterator[FieldError]:
                 "is required on every worker when the workers span hosts: name the interface "
                 "its ranks bind (e.g. eth0), the one that reaches the other hosts",
             )
-        for name in ("path", "data_path"):
+        for name in ("path", "data_path", "work_dir"):
             value = getattr(worker, name)
             if value is not None and not value.startswith("/"):
                 yield FieldError(f"{at}.{name}", f"{value!r} is not an absolute path")
