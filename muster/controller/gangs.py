@@ -414,6 +414,10 @@ class Controller:
             if self.windows.due(time.time()):
                 self.request_pass()
 
+    def apart_of(self, job_id: str) -> dict[PathClass, frozenset[frozenset[str]]] | None:
+        """The worker pairs this job's gangs must not hold together (fenced epochs)."""
+        return self._apart.get(job_id)
+
     async def start_window(self, job_id: str) -> dict[str, Any]:
         """``muster start JOB``: fire the job's staging window (BadRequest says why not)."""
         async with self.lock:
@@ -437,7 +441,7 @@ class Controller:
             if self.exiting:
                 return  # the links are closing: nothing placed now could be started
             queued = await self.db(self.store.queued)
-            if not queued and not self.windows.wanted:
+            if not queued and not self.windows.wanted and not self.windows.entries:
                 return
             try:
                 await self._place(queued, started)
@@ -675,6 +679,8 @@ class Controller:
                         recorded = await self._inventory(link, item.body)
                     if recorded is not None:
                         await recorded  # on record (outside the lock), then a pass
+                    if link.walk_in:
+                        self.windows.wanted = True  # its window (or its job's end) has news
                     self.request_pass()
                     continue
                 async with self.lock:
@@ -817,9 +823,8 @@ class Controller:
         if inventory.id != link.worker_id:
             await link.send(Kind.ERROR, {"message": "inventory id differs from the link's"})
             return None
-        if inventory.join is not None:
-            self.windows.wanted = True  # a walk-in: its window (or its job's end) has news
         worker = link.worker_id
+        link.walk_in = inventory.join is not None
         reports = tuple(_report(r) for r in body.get("members") or [])
         # Members of jobs this controller does not track (or of an older epoch) that still
         # run are told to stop; the worker stays busy until an inventory without them.
@@ -878,6 +883,7 @@ class Controller:
                     self.store.set_job_state, job_id, JobState.CANCELLED, "cancelled by the user"
                 )
                 self._apart.pop(job_id, None)
+                await self.windows.cancelled(job_id)
                 return
         await written  # the caller reads the job back: the cancel is on record first
 
@@ -914,6 +920,7 @@ class Controller:
             return
         why = end.why
         async with self.lock:
+            await self.windows.left(link.worker_id)
             # The runs first: a store error below must not leave a lost member running.
             for entry in list(self.runs.values()):
                 if link.worker_id in entry.gang.workers:

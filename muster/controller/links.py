@@ -53,6 +53,7 @@ class Link:
         self.closed = False
         self.close_code: int | None = None
         self.reported = False  # its first INVENTORY (what the agent still runs) was handled
+        self.walk_in = False  # its inventory names a job's window (muster join)
         self.welcome: dict[str, Any] = {}  # the WELCOME body, sent once the link is registered
         self.logs_queued = 0  # its LOGS frames waiting for the ingest task
         # Frames that need the controller's lock wait here, in their order, for the link's

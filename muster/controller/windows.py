@@ -79,10 +79,23 @@ def window_rules(spec: JobSpec) -> Rules:
     moment every rank is in and never starts below it."""
     gang = spec.gang
     join = gang.window or JoinWindow()
-    capacity = gang.num_workers * gang.procs_per_worker
+    capacity = gang.world_size  # num_workers x procs_per_worker, or a formed world's sum
     quorum = join.quorum or capacity
     target = None if join.start == "manual" else max(join.target_ranks or capacity, quorum)
     return Rules(join.start, quorum, target, float(join.join_timeout), float(join.max_join_timeout))
+
+
+def world_spec(spec: JobSpec, window: Window, ranks: list[int]) -> JobSpec:
+    """The job sized to a world of boxes with these rank counts (node r: ``ranks[r]``). The
+    window's rules in force are written out too, so a window opened again for the job (its
+    epoch fenced, the controller restarted) keeps them rather than re-deriving them from the
+    formed size."""
+    rules = window.rules
+    join = (spec.gang.window or JoinWindow()).model_copy(
+        update={"quorum": rules.quorum, "target_ranks": rules.target}
+    )
+    sized = {"num_workers": len(ranks), "node_procs": list(ranks), "window": join}
+    return spec.model_copy(update={"distributed": spec.gang.model_copy(update=sized)})
 
 
 def open_entry(job: str, spec: JobSpec, bundle: str | None, now: float) -> WindowEntry:
@@ -186,12 +199,29 @@ class WindowDesk:
         self.told: set[str] = set()  # walk-ins told their job is not (or no longer) open
         self.wanted = False  # a walk-in reported in: run a pass even with an empty queue
         self.formed: dict[str, WindowEntry] = {}  # the last FORMED_KEPT that formed (status)
+        # Jobs whose window failed or was cancelled, until the queue no longer holds them
+        # (their FAILED is committed after the pass): never opened again meanwhile.
+        self.closed: set[str] = set()
 
     def forget_link(self, worker: str) -> None:
         """A link went down: a walk-in that dials again is heard again."""
         self.told.discard(worker)
         for entry in self.entries.values():
             entry.told.discard(worker)
+
+    async def left(self, worker: str) -> None:
+        """A walk-in's link closed (the lock held): it leaves every open window at once, so
+        a start fired now never forms a world with it."""
+        for entry in list(self.entries.values()):
+            if any(m.worker == worker for m in entry.window.roster):
+                await self._step(entry, Leave(worker), now())
+
+    async def cancelled(self, job: str) -> None:
+        """The job was cancelled while its window was open (the lock held)."""
+        entry = self.entries.pop(job, None)
+        self.closed.add(job)
+        if entry is not None and entry.window.phase.open:
+            await self._tell_roster(entry, "the job was cancelled before its world formed")
 
     def due(self, at: float) -> bool:
         """Whether some open window's clock has run out (a pass then moves it)."""
@@ -214,8 +244,11 @@ class WindowDesk:
             ended = self.entries.pop(gone)  # cancelled while its window was open
             if ended.window.phase.open:
                 await self._tell_roster(ended, "the job was cancelled before its world formed")
+        self.closed &= windowed.keys()
         idle = [v.inventory for v in walk_ins if v.state is WorkerState.IDLE]
         for job, spec in windowed.items():
+            if job in self.closed:
+                continue
             entry = self.entries.get(job)
             if entry is None:
                 entry = self.entries[job] = open_entry(job, spec, bundles.get(job), at)
@@ -237,12 +270,17 @@ class WindowDesk:
                 f"job {job} has no open join window (it is {state}); `muster start` fires the "
                 "window of a membership: window job that is still waiting"
             )
+        for member in entry.window.roster:  # a box whose link is gone is not in the world
+            if member.worker not in self.c.links:
+                await self._step(entry, Leave(member.worker), now())
         window, out = step(entry.window, Start(), now())
         entry.window = window
-        refused = [o for o in out if isinstance(o, Refused)]
-        if refused:
+        refused = [o for o in out if isinstance(o, Refused) and o.worker is None]
+        # The clock may have formed or failed the window just before the start: that stands,
+        # and the answer says what became of it.
+        await self._apply(entry, [o for o in out if o not in refused])
+        if refused and not any(isinstance(o, (Formed, Failed)) for o in out):
             raise BadRequest(f"not started: {refused[0].reason}")
-        await self._apply(entry, out)
         return status(entry, "queued" if window.phase.open else "placing", now())
 
     async def view(self, job: str) -> dict[str, Any]:
@@ -271,7 +309,7 @@ class WindowDesk:
                 continue
             if not entry.window.phase.open:
                 break
-            why = door(entry, inventory)
+            why = door(entry, inventory) or self._fits(entry, inventory)
             if why:
                 entry.told.add(inventory.id)
                 await self._reply(inventory.id, entry, admitted=False, reason=why)
@@ -283,6 +321,24 @@ class WindowDesk:
                 entry, Join(inventory.id, inventory.join.host, inventory.join.ranks), at
             )
         await self._step(entry, Tick(), at)
+
+    def _fits(self, entry: WindowEntry, inventory: WorkerInventory) -> str:
+        """Why the roster with this box could not form one gang (a path all share, each box
+        fit for the job), or "" when it could: refused now rather than fail at forming."""
+        boxes = [*(entry.inventories[m.worker] for m in entry.window.roster), inventory]
+        assert inventory.join is not None
+        ranks = [*(m.ranks for m in entry.window.roster), inventory.join.ranks]
+        trial = world_spec(entry.spec, entry.window, ranks)
+        outcome = place_gang(
+            trial,
+            [WorkerView(inventory=i) for i in boxes],
+            paths=self.c.supported_paths,
+            apart=self.c.apart_of(entry.job),
+        )
+        if isinstance(outcome, Unplaceable):
+            host = inventory.join.host
+            return f"with {host} the boxes in could not form one gang: {outcome.reason}"
+        return ""
 
     async def _step(self, entry: WindowEntry, event: Event, at: float) -> None:
         window, out = step(entry.window, event, at)
@@ -313,6 +369,7 @@ class WindowDesk:
                 await self._form(entry, outcome)
             elif isinstance(outcome, Failed):
                 self.entries.pop(entry.job, None)
+                self.closed.add(entry.job)
                 self.c.writer.submit([JobStateWrite(entry.job, JobState.FAILED, outcome.reason)])
                 await self._tell_roster(entry, outcome.reason)
         for worker in set(entry.inventories) - {m.worker for m in entry.window.roster}:
@@ -328,14 +385,17 @@ class WindowDesk:
         while len(self.formed) > FORMED_KEPT:
             del self.formed[next(iter(self.formed))]
         hosts = len(formed.roster)
-        sized = {"num_workers": hosts, "node_procs": [m.ranks for m in formed.roster]}
-        world = spec.model_copy(update={"distributed": spec.gang.model_copy(update=sized)})
+        world = world_spec(spec, entry.window, [m.ranks for m in formed.roster])
         members = [entry.inventories[m.worker] for m in formed.roster]
         outcome = place_gang(
-            world, [WorkerView(inventory=i) for i in members], paths=self.c.supported_paths
+            world,
+            [WorkerView(inventory=i) for i in members],
+            paths=self.c.supported_paths,
+            apart=self.c.apart_of(job),
         )
         if isinstance(outcome, Unplaceable):
             why = f"the walk-ins cannot form one gang: {outcome.reason}"
+            self.closed.add(job)
             self.c.writer.submit([JobStateWrite(job, JobState.FAILED, why)])
             await self._tell_roster(entry, why)
             return
@@ -344,13 +404,18 @@ class WindowDesk:
             outcome.path, tuple(sorted(outcome.members, key=lambda i: order[i.id]))
         )
         await self.c.writer.barrier()
-        await self.c.db(self.c.store.set_job_spec, job, world.model_dump(mode="json"))
+        try:
+            await self.c.db(self.c.store.set_job_spec, job, world.model_dump(mode="json"))
+        except BadRequest as exc:  # no longer queued (cancelled meanwhile)
+            await self._tell_roster(entry, f"the world did not form: {exc}")
+            return
         reserved = await self.c.db(
             self.c.store.reserve_placements, [(job, placement.worker_ids, placement.path.value)]
         )
         epoch = reserved[job]
         if isinstance(epoch, PlacementConflict):
             why = f"the walk-ins were taken before the gang formed: {epoch}"
+            self.closed.add(job)
             self.c.writer.submit([JobStateWrite(job, JobState.FAILED, why)])
             await self._tell_roster(entry, why)
             return
@@ -374,9 +439,19 @@ class WindowDesk:
             await self._send(inventory.id, job, False, f"there is no job {job}; check --job")
             return
         state = JobState(record.state)
+        run = self.c.runs.get(job)
         if (record.spec.get("distributed") or {}).get("membership") != "window":
             why = f"job {job} is placed by the scheduler (membership: pool), not a join window"
             self.told.add(inventory.id)
+            await self._send(inventory.id, job, False, why)
+        elif not state.is_terminal and state is not JobState.QUEUED:
+            if run is not None and run.gang.node_of(inventory.id) is not None:
+                return  # its part ended; it hears the job's verdict when the job ends
+            self.told.add(inventory.id)
+            why = (
+                f"the window of job {job} is closed: its world formed without "
+                f"{inventory.join.host} (dial again for a later run)"
+            )
             await self._send(inventory.id, job, False, why)
         elif state.is_terminal:
             self.told.add(inventory.id)

@@ -100,6 +100,14 @@ def _validate(spec: JobSpec, options: RenderOptions) -> None:
         errors.append(
             FieldError("image", "Kubernetes runs the job from a container image: set image:")
         )
+    if spec.gang.membership == "window":
+        errors.append(
+            FieldError(
+                "distributed.membership",
+                "window: boxes walk in to muster's controller (muster join); on Kubernetes the "
+                "Trainer places a fixed gang of pods: use membership: pool",
+            )
+        )
     for name in spec.env:
         if name.startswith("PET_"):
             errors.append(

@@ -16,20 +16,15 @@ from pydantic import BeforeValidator, Field
 
 from muster.errors import FieldError
 from muster.spec.job import JoinWindow, StartMode, _Model
-from muster.spec.rules import ENV_NAME, PLATFORM_ENV, PLATFORM_ENV_PREFIXES, window_problems
+from muster.spec.rules import (
+    ENV_NAME,
+    PLATFORM_ENV,
+    PLATFORM_ENV_PREFIXES,
+    VISIBILITY_MASKS,
+    window_problems,
+)
 
 DEFAULT_PORT = 7070  # muster server's default
-
-#: Which devices a rank sees is the platform's to set, per rank, from the worker's devices.
-VISIBILITY_MASKS = frozenset(
-    {
-        "CUDA_VISIBLE_DEVICES",
-        "NVIDIA_VISIBLE_DEVICES",
-        "HIP_VISIBLE_DEVICES",
-        "ROCR_VISIBLE_DEVICES",
-        "GPU_DEVICE_ORDINAL",
-    }
-)
 
 
 def _devices(value: object) -> object:

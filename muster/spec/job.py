@@ -133,6 +133,8 @@ class Distributed(_Model):
 
     @property
     def world_size(self) -> int:
+        if self.node_procs:
+            return sum(self.node_procs)
         return self.num_workers * self.procs_per_worker
 
 

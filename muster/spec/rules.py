@@ -35,6 +35,16 @@ PLATFORM_ENV = frozenset(
     }
 )
 PLATFORM_ENV_PREFIXES = ("PET_", "MUSTER_")
+#: Which devices a rank sees: a box's to say when it walks in (muster join --devices).
+VISIBILITY_MASKS = frozenset(
+    {
+        "CUDA_VISIBLE_DEVICES",
+        "NVIDIA_VISIBLE_DEVICES",
+        "HIP_VISIBLE_DEVICES",
+        "ROCR_VISIBLE_DEVICES",
+        "GPU_DEVICE_ORDINAL",
+    }
+)
 
 
 def dns_label_problem(name: str) -> str | None:
@@ -195,6 +205,13 @@ def _distributed(spec: JobSpec) -> Iterator[FieldError]:
         )
     if dist.membership == "window":
         yield from window_problems(dist.window or JoinWindow(), "distributed.window")
+        for key in spec.env:
+            if key in VISIBILITY_MASKS:
+                yield FieldError(
+                    f"env.{key}",
+                    "is a device visibility mask: in a window job each box decides which of "
+                    "its GPUs its ranks see (muster join --devices); remove it",
+                )
     if dist.node_procs is not None:
         if dist.membership != "window":
             yield FieldError(

@@ -20,7 +20,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, defer
 
-from muster.errors import PlacementConflict, StoreUnavailable
+from muster.errors import BadRequest, PlacementConflict, StoreUnavailable
 from muster.spec.job import JobSpec
 from muster.spec.loader import parse_job
 from muster.spec.states import (
@@ -164,7 +164,10 @@ class JobRepository(Repository):
         """Replace a queued job's spec: a join window's job takes the size of the world
         that formed (num_workers = the hosts that walked in) before it is reserved."""
         with self.db.transaction() as s:
-            load_job(s, job_id).spec = spec
+            job = load_job(s, job_id)
+            if job.state != JobState.QUEUED.value:
+                raise BadRequest(f"job {job_id} is {job.state}, no longer queued")
+            job.spec = spec
 
     def set_why_pending(self, job_id: str, reason: str | None) -> None:
         with self.db.transaction() as s:

@@ -3,12 +3,27 @@ window, the door, and the why-pending line (the end-to-end test is tests/e2e/tes
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
-from muster.controller.windows import door, hello_of, open_entry, summary, window_rules
+import pytest
+
+from muster.controller.windows import (
+    WindowDesk,
+    door,
+    hello_of,
+    open_entry,
+    summary,
+    window_rules,
+)
+from muster.errors import BadRequest
 from muster.membership.window import Join, step
-from muster.spec import WorkerInventory, parse_job
+from muster.spec import NetworkCaps, PathClass, WorkerInventory, WorkerView, parse_job
 from muster.spec.worker import WalkIn
+from muster.wire import Kind
 
 
 def spec(**window: Any) -> Any:
@@ -79,3 +94,144 @@ def test_a_cuda_job_refuses_a_box_with_fewer_gpus_than_ranks() -> None:
     why = door(entry, walk_in("cpu", ranks=2))
     assert "cpu offers 2 rank(s) but has 0 GPU(s)" in why
     assert "--devices" in why
+
+
+# ---- the desk, at its seam with the controller -----------------------------------------
+
+
+class FakeLink:
+    def __init__(self) -> None:
+        self.sent: list[tuple[Kind, dict[str, Any]]] = []
+
+    async def send(self, kind: Kind, body: dict[str, Any]) -> bool:
+        self.sent.append((kind, body))
+        return True
+
+
+@dataclass
+class FakeRecord:
+    state: str
+    spec: dict[str, Any]
+
+
+class FakeController:
+    """What WindowDesk uses of the controller: links, the writer, the store, start_placed."""
+
+    def __init__(self, job_state: str = "queued") -> None:
+        self.links: dict[str, FakeLink] = {}
+        self.runs: dict[str, Any] = {}
+        self.written: list[Any] = []
+        self.started: list[tuple[str, Any]] = []
+        self.supported_paths = frozenset({PathClass.PRIVATE, PathClass.DIRECT})
+        self.record = FakeRecord(job_state, {"distributed": {"membership": "window"}})
+        self.writer = self
+        self.store = self
+
+    def submit(self, writes: list[Any]) -> None:
+        self.written += writes
+
+    async def barrier(self) -> None:
+        return None
+
+    async def db(self, fn: Any, *args: Any) -> Any:
+        return fn(*args)
+
+    def job(self, job_id: str) -> FakeRecord:
+        return self.record
+
+    def set_job_spec(self, job_id: str, spec: dict[str, Any]) -> None:
+        self.record.spec = spec
+
+    def reserve_placements(self, placements: list[Any]) -> dict[str, Any]:
+        return {job: SimpleNamespace(number=1) for job, _ids, _path in placements}
+
+    def apart_of(self, job_id: str) -> None:
+        return None
+
+    async def start_placed(self, job: str, spec: Any, placement: Any, *_: Any) -> None:
+        self.started.append((job, placement))
+
+
+def box(host: str) -> WorkerInventory:
+    """A walk-in on the rack's LAN (one private network: the gang can take the private path)."""
+    inv = walk_in(host, ranks=1)
+    lan = NetworkCaps(private_network_id="rack", private_address=f"10.0.0.{len(host)}")
+    return inv.model_copy(
+        update={"advertise_address": "10.0.0.1", "backends": ["gloo"], "network": lan}
+    )
+
+
+def desk_with(
+    *hosts: str, **window: Any
+) -> tuple[WindowDesk, FakeController, list[WorkerInventory]]:
+    ctl = FakeController()
+    desk = WindowDesk(ctl)  # type: ignore[arg-type]
+    boxes = [box(h) for h in hosts]
+    for b in boxes:
+        ctl.links[b.id] = FakeLink()
+    job_spec = spec(**window)
+    views = [WorkerView(inventory=b) for b in boxes]
+    asyncio.run(desk.run_pass({"walk-1": job_spec}, {"walk-1": None}, views))
+    return desk, ctl, boxes
+
+
+def replies(ctl: FakeController, worker: str) -> list[dict[str, Any]]:
+    return [body for kind, body in ctl.links[worker].sent if kind is Kind.JOIN_REPLY]
+
+
+def test_a_start_that_lands_after_the_timeout_still_forms_the_world() -> None:
+    desk, ctl, _ = desk_with("a", "b", start="hybrid", quorum=2, join_timeout=1)
+    entry = desk.entries["walk-1"]
+    assert entry.window.phase.value == "staging"
+    entry.window = dataclasses.replace(entry.window, opened_at=entry.window.opened_at - 5)
+    view = asyncio.run(desk.start("walk-1"))  # the clock formed it first: no error
+    assert view["phase"] == "forming"
+    assert [job for job, _p in ctl.started] == ["walk-1"]
+    assert "walk-1" not in desk.entries
+
+
+def test_a_cancelled_window_tells_its_walk_ins_and_never_opens_again() -> None:
+    desk, ctl, boxes = desk_with("a", start="manual", quorum=2)
+    asyncio.run(desk.cancelled("walk-1"))
+    assert "walk-1" not in desk.entries
+    told = replies(ctl, boxes[0].id)[-1]
+    assert not told["admitted"]
+    assert "cancelled before its world formed" in told["reason"]
+    views = [WorkerView(inventory=boxes[0])]
+    asyncio.run(desk.run_pass({"walk-1": spec(start="manual")}, {"walk-1": None}, views))
+    assert "walk-1" not in desk.entries  # the CANCELLED write may still be on its way
+
+
+def test_a_walk_in_whose_link_closes_leaves_at_once_and_a_start_forms_without_it() -> None:
+    desk, ctl, boxes = desk_with("a", "b", "c", start="manual", quorum=2)
+    asyncio.run(desk.left(boxes[1].id))
+    assert [m.host for m in desk.entries["walk-1"].window.roster] == ["a", "c"]
+    del ctl.links[boxes[2].id]  # gone, its end not yet handled
+    with pytest.raises(BadRequest, match="quorum not met: 1 of 2"):
+        asyncio.run(desk.start("walk-1"))
+
+
+def test_a_box_that_walks_in_after_the_world_formed_is_told_the_window_is_closed() -> None:
+    desk, ctl, _ = desk_with("a", "b", quorum=2, target_ranks=2)
+    assert ctl.started
+    ctl.record.state = "running"
+    late = box("late")
+    ctl.links[late.id] = FakeLink()
+    asyncio.run(desk.run_pass({}, {}, [WorkerView(inventory=late)]))
+    told = replies(ctl, late.id)[-1]
+    assert not told["admitted"]
+    assert "its world formed without late" in told["reason"]
+
+
+def test_a_box_that_could_not_share_a_path_with_the_others_is_refused_at_the_door() -> None:
+    ctl = FakeController()
+    desk = WindowDesk(ctl)  # type: ignore[arg-type]
+    near, far = box("near"), box("far")
+    far = far.model_copy(update={"network": NetworkCaps()})  # on no LAN, and makes no device
+    for b in (near, far):
+        ctl.links[b.id] = FakeLink()
+    views = [WorkerView(inventory=b) for b in (near, far)]
+    asyncio.run(desk.run_pass({"walk-1": spec(start="manual")}, {"walk-1": None}, views))
+    assert [m.host for m in desk.entries["walk-1"].window.roster] == ["near"]
+    told = replies(ctl, far.id)[-1]
+    assert "with far the boxes in could not form one gang" in told["reason"]

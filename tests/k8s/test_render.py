@@ -255,6 +255,19 @@ def test_a_fabric_fixed_variable_is_replaced_with_a_warning() -> None:
         ({"fabric": "ib"}, {"resources": {"gpus": 0}}, "resources.gpus", "GPU nodes"),
         ({}, {"image": None}, "image", "container image"),
         ({}, {"env": {"PET_NNODES": "2"}}, "env.PET_NNODES", "remove it"),
+        (
+            {},
+            {
+                "distributed": {
+                    "num_workers": 2,
+                    "procs_per_worker": 8,
+                    "backend": "nccl",
+                    "membership": "window",
+                }
+            },
+            "distributed.membership",
+            "use membership: pool",
+        ),
     ],
 )
 def test_bad_input_names_the_field_and_the_fix(

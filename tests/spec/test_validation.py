@@ -134,6 +134,12 @@ REFUSALS = [
         "num_workers (2)",
     ),
     (
+        "a visibility mask in a window job",
+        job(distributed=dist(membership="window"), env={"CUDA_VISIBLE_DEVICES": "1"}),
+        "env.CUDA_VISIBLE_DEVICES",
+        "muster join --devices",
+    ),
+    (
         "manual window with a target",
         job(distributed=dist(membership="window", window={"start": "manual", "target_ranks": 2})),
         "distributed.window.target_ranks",
