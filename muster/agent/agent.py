@@ -98,6 +98,8 @@ class AgentConfig:
     # `muster join --ssh`: each dial goes through a fresh OpenSSH forward (``controller`` is
     # then its local end).
     tunnel: SshTunnel | None = None
+    # A walk-in's own facts for its ranks (MUSTER_DATA_PATH, MUSTER_GPU_RAM_SHARE).
+    host_env: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -479,8 +481,13 @@ class Agent:
             )
             return
         reason = str(body.get("reason") or "refused")
+        if body.get("waiting"):  # walked in for any job: this window is not one for it
+            log.warning("not admitted to job %s (%s); waiting for another window", job, reason)
+            return
         if body.get("ended"):
             code = 0 if body.get("state") == "succeeded" else 1
+            if self.config.persist:  # a fleet waits for the next run
+                raise LinkRefused(f"job {job} is over ({reason}); dialing again for the next run")
             raise WalkInEnded(code, f"job {job} is over ({reason}); leaving")
         if self.config.persist:
             raise LinkRefused(f"the window of job {job} refused this box: {reason}")
@@ -538,6 +545,7 @@ class Agent:
             watchdog_timeout=self.heartbeat_timeout,
             link_up=self.link_up,
             may_read=lambda: self.shipper.backlog() < MAX_BACKLOG_LINES,
+            host_env=self.config.host_env,
         )
         if job in self.members:
             log.warning("ignoring a second ASSIGN for %s", job)

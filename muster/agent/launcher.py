@@ -61,8 +61,12 @@ class MemberRun:
         link_up: asyncio.Event | None = None,
         upload_patience: float = UPLOAD_PATIENCE_S,
         may_read: Callable[[], bool] = lambda: True,
+        host_env: dict[str, str] | None = None,
     ) -> None:
         self.job = str(assignment["job"])
+        # What only this box knows (a walk-in's data path, its GPU's share of RAM): it rides
+        # the assignment into the ranks' environment, over anything the job said.
+        self.host_env = dict(host_env or {})
         self.epoch = int(assignment["epoch"])
         self.node = int(assignment["node_rank"])
         self.spec = JobSpec.model_validate(assignment["spec"], strict=False)
@@ -138,6 +142,7 @@ class MemberRun:
         env = launch_env(
             self.spec, self.node, addressing, node_env=os.environ, output_dir=str(out_dir)
         )
+        env.update(self.host_env)
         self.proc = await self.spawn(
             *argv,
             cwd=run_dir,

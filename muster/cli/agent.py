@@ -13,7 +13,12 @@ from urllib.parse import urlparse
 import typer
 
 from muster.agent.agent import Agent, AgentConfig
-from muster.agent.inventory import advertise_address_for, check_interface, collect
+from muster.agent.inventory import (
+    advertise_address_for,
+    check_interface,
+    collect,
+    data_signature,
+)
 from muster.agent.retention import remove_stale_job_dirs
 from muster.agent.tunnel import SshTunnel
 from muster.cli.common import read_secret
@@ -100,7 +105,13 @@ def join(
     controller: str = typer.Argument(
         None, envvar="MUSTER_CONTROLLER", help="controller URL [default: http://127.0.0.1:7070]"
     ),
-    job: str = typer.Option(..., "--job", "-j", help="the membership: window job to walk in to"),
+    job: str = typer.Option(
+        None,
+        "--job",
+        "-j",
+        help="the membership: window job to walk in to [the oldest open window; with "
+        "--persist, each next run]",
+    ),
     token_file: Path = typer.Option(
         None,
         "--token-file",
@@ -125,6 +136,14 @@ def join(
         False, help="when refused, or the link is lost, dial again (5 s doubling to 60 s)"
     ),
     grace: float = typer.Option(10.0, help="seconds between SIGTERM and SIGKILL on stop"),
+    data_path: Path = typer.Option(
+        None,
+        help="the data root this box's ranks read (MUSTER_DATA_PATH); its files' signature "
+        "must match the other boxes'",
+    ),
+    gpu_ram_share: float = typer.Option(
+        None, min=0.01, max=4.0, help="APU boxes: the share of RAM its GPU claims (to ranks)"
+    ),
     ssh: str = typer.Option(
         None,
         help="[user@]host[:port]: dial through an ssh -L forward to this host (fresh each "
@@ -142,6 +161,16 @@ def join(
     if devices is not None and procs is not None:
         raise UserError("--devices and --procs: give one (GPU ranks, or CPU ranks)")
     offered = parse_devices(devices) if devices is not None else None
+    host_env: dict[str, str] = {}
+    data_sig = None
+    if data_path is not None:
+        if not data_path.is_dir():
+            raise UserError(f"--data-path {data_path} is not a directory this box can read")
+        data_path = data_path.resolve()
+        data_sig = data_signature(data_path)
+        host_env["MUSTER_DATA_PATH"] = str(data_path)
+    if gpu_ram_share is not None:
+        host_env["MUSTER_GPU_RAM_SHARE"] = f"{gpu_ram_share:g}"
     if offered is not None:
         # Every rank of this box sees exactly these GPUs (LOCAL_RANK indexes into them), and
         # so does the inventory probe that counts them.
@@ -174,9 +203,10 @@ def join(
         path_timeout=60.0,
         grace=grace,
         retention="0",
-        walk_in=(job, roster_name, len(offered) if offered is not None else procs),
+        walk_in=(job, roster_name, len(offered) if offered is not None else procs, data_sig),
         backoff=(5.0, 60.0),
         tunnel=tunnel,
+        host_env=host_env,
     )
 
 
@@ -195,9 +225,10 @@ def serve(
     path_timeout: float,
     grace: float,
     retention: str,
-    walk_in: tuple[str, str, int | None] | None = None,
+    walk_in: tuple[str | None, str, int | None, str | None] | None = None,
     backoff: tuple[float, float] | None = None,
     tunnel: SshTunnel | None = None,
+    host_env: dict[str, str] | None = None,
 ) -> None:
     """Run an agent until its link ends (or for ever with ``persist``); exits with its code."""
     keep_for = parse_retention(retention, "--retention")
@@ -247,6 +278,7 @@ def serve(
     if backoff is not None:
         config.backoff = backoff
     config.tunnel = tunnel
+    config.host_env = dict(host_env or {})
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if path_timeout < 30:
         logging.getLogger("muster.agent").warning(
@@ -274,12 +306,13 @@ def parse_devices(text: str) -> list[int]:
 
 
 def offer(
-    inventory: WorkerInventory, walk_in: tuple[str, str, int | None] | None
+    inventory: WorkerInventory, walk_in: tuple[str | None, str, int | None, str | None] | None
 ) -> WorkerInventory:
     """A walk-in's inventory names its job, its roster name and its ranks: as asked, else one
     per GPU it sees, else one."""
     if walk_in is None:
         return inventory
-    job, host, ranks = walk_in
+    job, host, ranks, data_sig = walk_in
     ranks = ranks or inventory.gpus.count or 1
-    return inventory.model_copy(update={"join": WalkIn(job=job, host=host, ranks=ranks)})
+    join = WalkIn(job=job, host=host, ranks=ranks, data_sig=data_sig)
+    return inventory.model_copy(update={"join": join})

@@ -40,7 +40,9 @@ def ssh_argv(worker: Worker) -> list[str]:
     return argv
 
 
-def remote_command(worker: Worker, job: str, port: int, scheme: str = "http") -> str:
+def remote_command(
+    worker: Worker, job: str, port: int, scheme: str = "http", gpu_ram_share: float | None = None
+) -> str:
     """What the worker's shell runs: the join secret from stdin into the environment, the
     host's env, then ``muster join`` through the reverse forward."""
     parts = ["IFS= read -r MUSTER_TOKEN", "export MUSTER_TOKEN"]
@@ -58,6 +60,10 @@ def remote_command(worker: Worker, job: str, port: int, scheme: str = "http") ->
         join += ["--interface", worker.interface]
     if worker.work_dir:
         join += ["--work-dir", worker.work_dir]
+    if worker.data_path:
+        join += ["--data-path", worker.data_path]
+    if gpu_ram_share is not None:  # the host entry's, else the cluster's default
+        join += ["--gpu-ram-share", f"{gpu_ram_share:g}"]
     return " && ".join([*parts, "exec " + shlex.join(join)])
 
 
@@ -100,6 +106,7 @@ def start_session(
     secret: str,
     log: Path,
     *,
+    gpu_ram_share: float | None = None,
     ready_s: float = 3.0,
 ) -> Session:
     """Start ``worker``'s walk-in; a reverse port already taken there is tried again on
@@ -111,7 +118,7 @@ def start_session(
         session.port = random.randint(20000, 60000)
         forward = f"127.0.0.1:{session.port}:{host}:{port}"
         argv = [*ssh_argv(worker)[:-1], "-R", forward, ssh_argv(worker)[-1]]
-        argv.append(remote_command(worker, job, session.port, scheme))
+        argv.append(remote_command(worker, job, session.port, scheme, gpu_ram_share))
         out = open(log, "ab")  # noqa: SIM115 - owned by the process
         proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=out, stderr=out)
         out.close()

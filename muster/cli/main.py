@@ -56,6 +56,7 @@ def main() -> None:
         k8s,
         logs,
         plan,
+        publish,
         server,
         token,
         up,

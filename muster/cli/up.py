@@ -154,6 +154,7 @@ def up(
                 (url.scheme, url.hostname or "127.0.0.1", url.port or 80),
                 join,
                 logs / f"{worker.host}.log",
+                gpu_ram_share=cluster.gpu_ram_share_of(worker),
             )
             sessions.append(session)
             err.print(f"[{worker.host}] joining through ssh (log: {session.log})", markup=False)

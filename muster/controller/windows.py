@@ -114,6 +114,7 @@ def hello_of(inventory: WorkerInventory, job: str, bundle: str | None) -> Hello:
         torch=inventory.torch_version or "none",
         run=job,
         model_sig=bundle or "",
+        data_sig=inventory.join.data_sig,
     )
 
 
@@ -202,6 +203,9 @@ class WindowDesk:
         # Jobs whose window failed or was cancelled, until the queue no longer holds them
         # (their FAILED is committed after the pass): never opened again meanwhile.
         self.closed: set[str] = set()
+        # Walk-ins without a job (muster join, no --job) and the job whose world they formed:
+        # told its verdict once it ends, then offered to the next window.
+        self.served: dict[str, str] = {}
 
     def forget_link(self, worker: str) -> None:
         """A link went down: a walk-in that dials again is heard again."""
@@ -246,20 +250,49 @@ class WindowDesk:
                 await self._tell_roster(ended, "the job was cancelled before its world formed")
         self.closed &= windowed.keys()
         idle = [v.inventory for v in walk_ins if v.state is WorkerState.IDLE]
+        anyone = [i for i in idle if i.join and i.join.job is None and await self._free(i)]
         for job, spec in windowed.items():
             if job in self.closed:
                 continue
             entry = self.entries.get(job)
             if entry is None:
                 entry = self.entries[job] = open_entry(job, spec, bundles.get(job), at)
-            await self._admit(entry, [i for i in idle if i.join and i.join.job == job], at)
+            on_rosters = {m.worker for e in self.entries.values() for m in e.window.roster}
+            mine = [i for i in idle if i.join and i.join.job == job]
+            # A walk-in for any job goes to the oldest open window that takes it.
+            mine += [i for i in anyone if i.id not in on_rosters]
+            await self._admit(entry, mine, at)
             if job in self.entries and entry.window.phase.open:
                 reasons[job] = summary(job, entry.window, at)
         for inventory in idle:
             assert inventory.join is not None
-            if inventory.join.job not in windowed and inventory.id not in self.told:
+            wanted = inventory.join.job
+            if wanted is not None and wanted not in windowed and inventory.id not in self.told:
                 await self._not_open(inventory)
         return reasons
+
+    async def _free(self, inventory: WorkerInventory) -> bool:
+        """Whether a walk-in for any job is free for a window: it serves no run whose end it
+        has not heard yet (it is told that end here, once)."""
+        served = self.served.get(inventory.id)
+        if served is None:
+            return True
+        try:
+            state = JobState((await self.c.db(self.c.store.job, served)).state)
+        except NotFound:
+            state = JobState.CANCELLED
+        if not state.is_terminal:
+            return False  # its part ended, the run goes on: it hears the verdict later
+        del self.served[inventory.id]
+        await self._send(
+            inventory.id,
+            served,
+            False,
+            f"job {served} {state.value}",
+            ended=True,
+            state=state.value,
+        )
+        return False  # it decides (persist: dial again) before it is offered again
 
     async def start(self, job: str) -> dict[str, Any]:
         """``muster start``: fire a staging window (the lock held); BadRequest says why not."""
@@ -312,7 +345,9 @@ class WindowDesk:
             why = door(entry, inventory) or self._fits(entry, inventory)
             if why:
                 entry.told.add(inventory.id)
-                await self._reply(inventory.id, entry, admitted=False, reason=why)
+                # A walk-in for any job is not sent away by one window: it waits for another.
+                waiting = inventory.join is not None and inventory.join.job is None
+                await self._reply(inventory.id, entry, admitted=False, reason=why, waiting=waiting)
                 continue
             assert inventory.join is not None
             entry.inventories[inventory.id] = inventory
@@ -419,6 +454,10 @@ class WindowDesk:
             self.c.writer.submit([JobStateWrite(job, JobState.FAILED, why)])
             await self._tell_roster(entry, why)
             return
+        for member in members:
+            assert member.join is not None
+            if member.join.job is None:
+                self.served[member.id] = job
         log.info(
             "job %s: the world formed on %s with %d host(s), %d rank(s)",
             job,
@@ -432,6 +471,7 @@ class WindowDesk:
         """A walk-in for a job with no open window: say what became of the job."""
         assert inventory.join is not None
         job = inventory.join.job
+        assert job is not None
         try:
             record = await self.c.db(self.c.store.job, job)
         except NotFound:
@@ -460,14 +500,27 @@ class WindowDesk:
 
     async def _tell_roster(self, entry: WindowEntry, why: str) -> None:
         for member in entry.window.roster:
+            box = entry.inventories.get(member.worker)
+            if box is not None and box.join is not None and box.join.job is None:
+                # It walked in for any job: it waits for the next window.
+                await self._send(member.worker, entry.job, False, why, waiting=True)
+                continue
             self.told.add(member.worker)
             await self._send(member.worker, entry.job, False, why)
 
     async def _reply(
-        self, worker: str, entry: WindowEntry, *, admitted: bool, reason: str = ""
+        self,
+        worker: str,
+        entry: WindowEntry,
+        *,
+        admitted: bool,
+        reason: str = "",
+        waiting: bool = False,
     ) -> None:
         member = next((m for m in entry.window.roster if m.worker == worker), None)
         body: dict[str, Any] = {"phase": entry.window.phase.value}
+        if waiting:
+            body["waiting"] = True
         if member is not None:
             body |= {"first_rank": member.first_rank, "ranks": member.ranks}
         await self._send(worker, entry.job, admitted, reason, **body)

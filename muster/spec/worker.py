@@ -53,9 +53,14 @@ class WalkIn(_Model):
     """An agent that walked in to one job's join window (``muster join``) rather than
     offering itself to the pool: it serves that job only."""
 
-    job: str = Field(min_length=1, max_length=64)
+    job: str | None = Field(
+        default=None, min_length=1, max_length=64, description="None: the oldest open window"
+    )
     host: str = Field(min_length=1, max_length=253, description="its name on the roster")
     ranks: int = Field(ge=1, le=1024, description="ranks it offers (devices or CPU procs)")
+    data_sig: str | None = Field(
+        default=None, max_length=64, description="sha256 of its data manifest (--data-path)"
+    )
 
 
 class WorkerInventory(_Model):

@@ -56,15 +56,17 @@ def window_job(tmp_path: Path, name: str, window: dict[str, Any], hosts: int = 2
     )
 
 
-def walk_in(cluster: LocalCluster, job: str, host: str, *extra: str) -> subprocess.Popen[bytes]:
+def walk_in(
+    cluster: LocalCluster, job: str | None, host: str, *extra: str
+) -> subprocess.Popen[bytes]:
+    """``muster join`` on this machine as box ``host``; ``job`` None: any open window."""
     assert cluster.data_dir is not None
     return cluster._spawn(
         f"join-{host}",
         [
             "join",
             cluster.url,
-            "--job",
-            job,
+            *(("--job", job) if job is not None else ()),
             "--host",
             host,
             "--work-dir",
@@ -235,3 +237,58 @@ def test_pool_agents_never_take_a_window_job(cluster: LocalCluster, tmp_path: Pa
     assert not any(w["state"] != "idle" for w in api.workers() if w["id"] == "pool-agent")
     api.cancel(job)
     cluster.stop("pool-agent")
+
+
+DATA_SCRIPT = """\
+import os
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+data = os.environ.get("MUSTER_DATA_PATH")
+files = sorted(os.listdir(data)) if data else []
+share = os.environ.get("MUSTER_GPU_RAM_SHARE")
+print(f"rank {dist.get_rank()} reads {data} {files} share {share}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_boxes_must_hold_the_same_data_and_their_ranks_are_told_where_it_is(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    copies = {}
+    for name, text in (("a", "same"), ("b", "same"), ("c", "other")):
+        root = copies[name] = tmp_path / f"data-{name}"
+        (root / "shard").mkdir(parents=True)
+        (root / "shard" / "0.txt").write_text(text)
+    path = write_job(
+        tmp_path / "data",
+        "data",
+        DATA_SCRIPT,
+        distributed={
+            "num_workers": 2,
+            "backend": "gloo",
+            "membership": "window",
+            "window": {"quorum": 2, "target_ranks": 2},
+        },
+    )
+    api = cluster.client()
+    job = submit(api, path)
+    first = walk_in(
+        cluster, job, "data-a", "--data-path", str(copies["a"]), "--gpu-ram-share", "0.5"
+    )
+    wait_window(api, job, "waiting", ranks=1)
+    odd = walk_in(cluster, job, "data-c", "--data-path", str(copies["c"]))
+    assert odd.wait(60) == 2
+    log = cluster.log("join-data-c").read_text()
+    assert "data-c's dataset signature" in log
+    assert "data-a's" in log
+    second = walk_in(cluster, job, "data-b", "--data-path", str(copies["b"]))
+    done = wait_state(api, job, timeout=180)
+    assert done["state"] == "succeeded", done["root_cause"]
+    texts = sorted(ln["text"] for ln in all_lines(api, job) if ln["origin"] == "rank")
+    assert texts == [
+        f"rank 0 reads {copies['a']} ['shard'] share 0.5",
+        f"rank 1 reads {copies['b']} ['shard'] share None",
+    ]
+    assert first.wait(60) == 0
+    assert second.wait(60) == 0

@@ -1,0 +1,146 @@
+"""`muster publish` and a standing fleet: boxes started without --job (and --persist) wait
+for a window, walk into each published run in turn, and a failed build gate publishes
+nothing. Real controller, `muster join` processes, torchrun and gloo; rsync over a real sshd."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from muster.cli.local import LocalCluster
+from tests.e2e.helpers import all_lines, wait_state
+from tests.e2e.test_window import walk_in
+from tests.sshd import start_sshd
+
+pytestmark = pytest.mark.timeout(600)
+
+SCRIPT = """\
+import sys
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+print(f"rank {dist.get_rank()} of {dist.get_world_size()} ran {sys.argv[1:]}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    with LocalCluster(agents=0, heartbeat_interval=1.0, heartbeat_timeout=5.0) as c:
+        yield c
+
+
+def source(tmp_path: Path) -> tuple[Path, Path]:
+    """A training tree, and a job file that is not in it."""
+    tree = tmp_path / "src"
+    tree.mkdir()
+    (tree / "train.py").write_text(SCRIPT)
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        yaml.safe_dump(
+            {
+                "name": "pub",
+                "entrypoint": "train.py",
+                "distributed": {"num_workers": 2, "backend": "gloo"},
+            }
+        )
+    )
+    return tree, job
+
+
+def muster(cluster: LocalCluster, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "muster", *args],
+        env={
+            **cluster._env(),
+            "MUSTER_API_TOKEN": cluster.token(),
+            "MUSTER_CONTROLLER": cluster.url,
+        },
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+
+
+def ran(cluster: LocalCluster, job: str) -> list[str]:
+    api = cluster.client()
+    done = wait_state(api, job, timeout=180)
+    assert done["state"] == "succeeded", done["root_cause"]
+    return sorted(ln["text"] for ln in all_lines(api, job) if ln["origin"] == "rank")
+
+
+def test_a_persistent_fleet_walks_into_each_published_run(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    tree, job_file = source(tmp_path)
+    fleet = [walk_in(cluster, None, f"fleet-{i}", "--persist") for i in range(2)]
+    before = {j["id"] for j in cluster.client().jobs()}
+    failed = muster(cluster, "publish", f"file://{tree}", str(job_file), "--gate", "false")
+    assert failed.returncode == 2
+    assert "the build gate (false) failed with exit 1; nothing was published" in failed.stderr
+    assert {j["id"] for j in cluster.client().jobs()} == before
+
+    first = muster(cluster, "publish", f"file://{tree}", str(job_file), "--", "one")
+    assert first.returncode == 0, first.stderr
+    run_one = first.stdout.strip()
+    assert ran(cluster, run_one) == [f"rank {r} of 2 ran ['one']" for r in range(2)]
+
+    # The next run comes from git, pinned to a commit; the same boxes walk into it.
+    subprocess.run(["git", "init", "-q", str(tree)], check=True)
+    subprocess.run(["git", "-C", str(tree), "add", "."], check=True)
+    subprocess.run(
+        ["git", "-C", str(tree), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x"],
+        check=True,
+    )
+    unpinned = muster(cluster, "publish", f"git+file://{tree}", str(job_file))
+    assert unpinned.returncode == 2
+    assert "a git source needs a ref" in unpinned.stderr
+    second = muster(cluster, "publish", f"git+file://{tree}#HEAD", str(job_file), "--", "two")
+    assert second.returncode == 0, second.stderr
+    run_two = second.stdout.strip()
+    assert run_two != run_one
+    assert ran(cluster, run_two) == [f"rank {r} of 2 ran ['two']" for r in range(2)]
+    members = {m["worker"] for m in cluster.client().job(run_two)["members"]}
+    assert members == {"walkin-fleet-0", "walkin-fleet-1"}
+    for i, box in enumerate(fleet):
+        assert box.poll() is None  # a persistent fleet stays for the next run
+        cluster.stop(f"join-fleet-{i}")
+
+
+def test_an_rsync_source_comes_over_ssh(
+    cluster: LocalCluster, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    server, why_not = start_sshd(tmp_path_factory.mktemp("sshd"), cluster.port, guarded=False)
+    if server is None:
+        if os.environ.get("MUSTER_TEST_REQUIRE_SSH") == "1":
+            pytest.fail(f"an OpenSSH server is required here: {why_not}")
+        pytest.skip(f"no OpenSSH server can run here: {why_not}")
+    try:
+        tree, job_file = source(tmp_path)
+        (tree / "uncommitted.txt").write_text("work in progress\n")
+        box = walk_in(cluster, None, "rsync-box", "--procs", "2")
+        options = [f"IdentityFile={server.key}", *server.client_options]
+        done = muster(
+            cluster,
+            "publish",
+            f"rsync://root@127.0.0.1:{server.port}:{tree}",
+            str(job_file),
+            *(arg for option in options for arg in ("--ssh-option", option)),
+            "--",
+            "synced",
+        )
+        assert done.returncode == 0, done.stderr
+        assert "(rsync)" in done.stderr
+        run = done.stdout.strip()
+        # One box of 2 ranks fills the 2-rank window.
+        assert ran(cluster, run) == [f"rank {r} of 2 ran ['synced']" for r in range(2)]
+        assert box.wait(60) == 0
+    finally:
+        server.stop()
