@@ -45,12 +45,25 @@ def print_window(job_id: str, view: dict[str, Any]) -> None:
 @app.command()
 @reports_errors
 def status(
-    job_id: str = typer.Argument(..., help="a membership: window job"),
+    job_id: str = typer.Argument(None, help="a membership: window job [every open window]"),
     controller: str = ControllerOpt,
     token_file: Path | None = TokenFileOpt,
 ) -> None:
-    """Show a window job's join window: phase, rules, the roster in rank order."""
-    print_window(job_id, client(controller, token_file).window(job_id))
+    """Show a window job's join window: phase, rules, the roster in rank order (without JOB:
+    every window still open)."""
+    api = client(controller, token_file)
+    if job_id is not None:
+        print_window(job_id, api.window(job_id))
+        return
+    open_ones = [
+        j["id"]
+        for j in api.jobs()
+        if j["state"] == "queued" and (j.get("why_pending") or "").startswith("join window")
+    ]
+    if not open_ones:
+        out.print("no join window is open", markup=False)
+    for job in open_ones:
+        print_window(job, api.window(job))
 
 
 @app.command()

@@ -193,13 +193,28 @@ async def handshake(
     return link
 
 
+MAX_REFUSED_FRAMES = 1024
+
+
 async def serve_frames(
     link: Link, metrics: Metrics, on_frame: Callable[[Link, Frame], Awaitable[None]]
 ) -> str:
     """Read frames until the link ends; refused frames are counted and skipped.
 
-    Returns why the link ended (its EOF is the host's exit).
+    Returns why the link ended (its EOF is the host's exit). A link that sends
+    MAX_REFUSED_FRAMES refused frames is ended: an honest agent sends none, and a peer that
+    keeps trying is not served for ever (the listener goes on for the others).
     """
+    refused = 0
+
+    def refuse(reason: str, why: object) -> bool:
+        nonlocal refused
+        refused += 1
+        metrics.frames_refused.labels(reason).inc()
+        if refused <= 10 or refused % 100 == 0:  # its log is not the attacker's to fill
+            log.warning("worker %s: %s (%d refused on this link)", link.worker_id, why, refused)
+        return refused >= MAX_REFUSED_FRAMES
+
     while True:
         try:
             message = await link.ws.receive()
@@ -210,24 +225,28 @@ async def serve_frames(
             return f"control link closed (code {link.close_code})"
         data = message.get("bytes")
         if data is None:
-            metrics.frames_refused.labels("malformed").inc()
+            if refuse("malformed", "a text message on the control link"):
+                return await _refused_too_often(link, refused)
             continue
         try:
             frame = link.codec.decode(data)
         except FrameRefused as exc:
-            metrics.frames_refused.labels(exc.reason).inc()
-            log.warning("worker %s: %s", link.worker_id, exc)
+            if refuse(exc.reason, exc):
+                return await _refused_too_often(link, refused)
             continue
         link.last_seen = time.monotonic()
         try:
             await on_frame(link, frame)
         except (KeyError, TypeError, ValueError) as exc:  # a well-MAC'd frame with a bad body
-            metrics.frames_refused.labels("malformed").inc()
-            log.warning(
-                "worker %s: %s frame with a bad body: %r", link.worker_id, frame.kind.name, exc
-            )
+            if refuse("malformed", f"{frame.kind.name} frame with a bad body: {exc!r}"):
+                return await _refused_too_often(link, refused)
         except MusterError as exc:
             log.warning("worker %s: %s frame refused: %s", link.worker_id, frame.kind.name, exc)
+
+
+async def _refused_too_often(link: Link, refused: int) -> str:
+    await _close(link.ws, 1008)  # policy violation
+    return f"closed after {refused} refused frames"
 
 
 async def _close(ws: WebSocket, code: int) -> None:

@@ -15,6 +15,7 @@ from websockets.sync.client import ClientConnection, connect
 from muster import wire
 from muster.cli.local import LocalCluster
 from muster.client import split_token
+from muster.controller.links import MAX_REFUSED_FRAMES
 from muster.wire import Kind
 from tests.e2e.helpers import (
     all_lines,
@@ -88,6 +89,12 @@ def open_link(ws: ClientConnection, worker_id: str, token: str) -> wire.LinkCode
     return codec
 
 
+def drain(ws: ClientConnection) -> None:
+    """Read until the controller closes the link (the close raises)."""
+    for _ in range(100):
+        ws.recv(timeout=10)
+
+
 def metric(cluster: LocalCluster, name: str, reason: str) -> float:
     text = httpx.get(f"{cluster.url}/metrics", timeout=10).text
     match = re.search(rf'^{name}_total{{reason="{reason}"}} (\S+)$', text, re.M)
@@ -123,6 +130,19 @@ def test_hostile_frames_are_refused_and_counted(tmp_path: Path) -> None:
             assert codec.decode(ws.recv(timeout=10)).kind is Kind.HEARTBEAT_ACK
         for reason, count in (("replayed", 1), ("forged", 1), ("malformed", 2)):
             assert metric(cluster, "muster_frames_refused", reason) == count, reason
+
+        # A link that keeps sending refused frames is closed after the cap; the listener
+        # serves on (the job below still runs).
+        with connect(url) as ws:
+            open_link(ws, "pest", token)
+            for _ in range(MAX_REFUSED_FRAMES + 10):
+                try:
+                    ws.send(b"\x01\x63garbage")
+                except Exception:
+                    break
+            with pytest.raises(Exception, match="1008"):
+                drain(ws)
+        assert "closed after 1024 refused frames" in cluster.log("server").read_text()
 
         # Honest agents were never disturbed: a job still runs.
         api = cluster.client()

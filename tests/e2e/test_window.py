@@ -119,6 +119,8 @@ def test_a_manual_window_holds_two_walk_ins_until_muster_start_then_trains(
     assert view["startable"]
     shown = muster(cluster, "status", job)
     assert "window staging" in shown.stdout
+    every = muster(cluster, "status")  # no job: every open window
+    assert f"{job}: window staging" in every.stdout
     assert f"startable: muster start {job}" in shown.stdout
     assert "join window staging" in (api.job(job)["why_pending"] or "")
     time.sleep(1.5)  # the clock does not form a manual window
