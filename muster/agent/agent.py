@@ -227,6 +227,8 @@ class Agent:
             try:
                 if self.config.tunnel is not None:
                     await self.config.tunnel.open()
+                    scheme = urlparse(self.config.controller).scheme or "http"
+                    self.config.controller = self.config.tunnel.url(scheme)  # its port may move
                 await self._session()
                 reason = "the controller closed the link"
             except AuthRefused as exc:
@@ -486,7 +488,9 @@ class Agent:
             return
         if body.get("ended"):
             code = 0 if body.get("state") == "succeeded" else 1
-            if self.config.persist:  # a fleet waits for the next run
+            join = self.inventory.join if self.inventory is not None else None
+            if self.config.persist and join is not None and join.job is None:
+                # A fleet box walked in for any job: it waits for the next run.
                 raise LinkRefused(f"job {job} is over ({reason}); dialing again for the next run")
             raise WalkInEnded(code, f"job {job} is over ({reason}); leaving")
         if self.config.persist:

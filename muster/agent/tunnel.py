@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import re
+import signal
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +22,7 @@ from pathlib import Path
 from muster.errors import InfrastructureError, UserError
 
 OPEN_TIMEOUT_S = 20.0
+PR_SET_PDEATHSIG = 1
 _TARGET = re.compile(r"^(?:(?P<user>[^@\s]+)@)?(?P<host>\[[^\]]+\]|[^:@\s]+)(?::(?P<port>\d+))?$")
 
 
@@ -42,9 +45,7 @@ class SshTunnel:
         if not 0 < self.port < 65536:
             raise UserError(f"--ssh {self.target!r}: port {self.port} is out of range")
         if not self.local_port:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                self.local_port = int(s.getsockname()[1])
+            self.local_port = _free_port()
 
     def argv(self) -> list[str]:
         argv = ["ssh", "-N", "-o", "BatchMode=yes", "-o", "ExitOnForwardFailure=yes"]
@@ -54,46 +55,58 @@ class SshTunnel:
         for option in self.options:
             argv += ["-o", option]
         remote = f"[{self.remote_host}]" if ":" in self.remote_host else self.remote_host
-        argv += [
-            "-p",
-            str(self.port),
-            "-L",
-            f"127.0.0.1:{self.local_port}:{remote}:{self.remote_port}",
-        ]
-        argv.append(f"{self.user}@{self.host}" if self.user else self.host)
+        forward = f"127.0.0.1:{self.local_port}:{remote}:{self.remote_port}"
+        argv += ["-p", str(self.port), "-L", forward]
+        argv += ["--", f"{self.user}@{self.host}" if self.user else self.host]
         return argv
 
     def url(self, scheme: str) -> str:
         return f"{scheme}://127.0.0.1:{self.local_port}"
 
     async def open(self, timeout: float = OPEN_TIMEOUT_S) -> None:
-        """A fresh forward; returns once the local port accepts. Raises InfrastructureError
-        with ssh's own words when it exits or the port stays shut past ``timeout``."""
-        await self.close()
-        self._proc = await asyncio.create_subprocess_exec(
-            *self.argv(),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE,
-        )
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while loop.time() < deadline:
-            if self._proc.returncode is not None:
-                break
-            with contextlib.suppress(OSError):
-                _reader, writer = await asyncio.wait_for(
-                    asyncio.open_connection("127.0.0.1", self.local_port), 2
-                )
-                writer.close()
+        """A fresh forward; returns once ssh listens on the local port. Raises
+        InfrastructureError with ssh's own words when it exits or does not listen in time.
+        When another process holds the local port, a new one is taken (``url`` changes)."""
+        said = ""
+        for _attempt in range(3):
+            await self.close()
+            if not _free(self.local_port):
+                self.local_port = _free_port()
+            self._proc = await asyncio.create_subprocess_exec(
+                *self.argv(),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.PIPE,
+                preexec_fn=_die_with_parent,
+            )
+            if await self._listening(timeout):
                 return
-            await asyncio.sleep(0.1)
-        said = await self._stderr()
-        await self.close()
+            said = await self._stderr()
+            await self.close()
+            if "Address already in use" not in said:
+                break
+            self.local_port = _free_port()  # taken between our look and ssh's bind
         raise InfrastructureError(
             f"ssh to {self.target} could not forward 127.0.0.1:{self.local_port} to "
             f"{self.remote_host}:{self.remote_port}: {said or 'no answer in time'}"
         )
+
+    async def _listening(self, timeout: float) -> bool:
+        """Whether this ssh (not some other process) listens on the local port: the port
+        accepts, and ssh is still running a moment later (a failed bind ends it)."""
+        assert self._proc is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while loop.time() < deadline and self._proc.returncode is None:
+            with contextlib.suppress(OSError, TimeoutError):
+                _reader, writer = await asyncio.wait_for(
+                    asyncio.open_connection("127.0.0.1", self.local_port), 2
+                )
+                writer.close()
+                await asyncio.sleep(0.3)
+                return self._proc.returncode is None
+            await asyncio.sleep(0.1)
+        return False
 
     async def _stderr(self) -> str:
         if self._proc is None or self._proc.stderr is None:
@@ -113,3 +126,24 @@ class SshTunnel:
         except TimeoutError:
             proc.kill()
             await proc.wait()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def _die_with_parent() -> None:
+    """In ssh, before exec: SIGTERM when the agent dies, even by SIGKILL (Linux prctl)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)

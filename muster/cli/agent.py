@@ -28,6 +28,7 @@ from muster.client import controller_url, split_token
 from muster.errors import UserError
 from muster.net.wireguard import claim_device, device_unavailable
 from muster.spec import MESH_INTERFACE, WorkerInventory
+from muster.spec.cluster import ssh_option_problem
 from muster.spec.worker import WalkIn
 from muster.store import ensure_data_dir
 
@@ -178,9 +179,10 @@ def join(
     tunnel = None
     if ssh is not None:
         seen = urlparse(controller_url(controller))
-        bad = [o for o in ssh_option if "=" not in o or o.startswith("-")]
-        if bad:
-            raise UserError(f"--ssh-option {bad[0]!r}: write Key=Value (e.g. Port=2222)")
+        for option in ssh_option:
+            problem = ssh_option_problem(option)
+            if problem:
+                raise UserError(f"--ssh-option: {problem}")
         tunnel = SshTunnel(
             ssh,
             seen.hostname or "127.0.0.1",
@@ -244,9 +246,14 @@ def serve(
     secret, pin = split_token(token)
     # Through a tunnel the controller is local: the ranks' address is the one that routes to
     # the ssh host.
-    address = advertise_address or advertise_address_for(
-        f"ssh://{tunnel.host}" if tunnel is not None else url
-    )
+    toward = f"ssh://{_bracketed(tunnel.host)}" if tunnel is not None else url
+    try:
+        address = advertise_address or advertise_address_for(toward)
+    except OSError as exc:
+        raise UserError(
+            f"cannot tell which of this box's addresses reaches {toward} ({exc}); "
+            "pass --advertise-address"
+        ) from exc
     bound_interface = check_interface(interface) if interface else None
     device_name, claim = MESH_INTERFACE, None
     if device_unavailable() is None:  # it can make devices: claim a name no other agent has
@@ -316,3 +323,7 @@ def offer(
     ranks = ranks or inventory.gpus.count or 1
     join = WalkIn(job=job, host=host, ranks=ranks, data_sig=data_sig)
     return inventory.model_copy(update={"join": join})
+
+
+def _bracketed(host: str) -> str:
+    return f"[{host}]" if ":" in host else host

@@ -15,6 +15,7 @@ import shlex
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -36,7 +37,7 @@ def ssh_argv(worker: Worker) -> list[str]:
     for option in ssh.options:
         argv += ["-o", option]
     target = ssh.target or worker.host
-    argv.append(f"{ssh.user}@{target}" if ssh.user else target)
+    argv += ["--", f"{ssh.user}@{target}" if ssh.user else target]  # never read as an option
     return argv
 
 
@@ -117,20 +118,24 @@ def start_session(
     for _ in range(FORWARD_TRIES):
         session.port = random.randint(20000, 60000)
         forward = f"127.0.0.1:{session.port}:{host}:{port}"
-        argv = [*ssh_argv(worker)[:-1], "-R", forward, ssh_argv(worker)[-1]]
+        argv = [*ssh_argv(worker)[:-2], "-R", forward, *ssh_argv(worker)[-2:]]
         argv.append(remote_command(worker, job, session.port, scheme, gpu_ram_share))
         out = open(log, "ab")  # noqa: SIM115 - owned by the process
         proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=out, stderr=out)
         out.close()
         assert proc.stdin is not None
         try:
-            proc.stdin.write(secret.encode() + b"\n")
-            proc.stdin.close()
-        except OSError:
-            pass  # it ended at once: its log says why
-        deadline = time.monotonic() + ready_s
-        while time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.1)
+            try:
+                proc.stdin.write(secret.encode() + b"\n")
+                proc.stdin.close()
+            except OSError:
+                pass  # it ended at once: its log says why
+            deadline = time.monotonic() + ready_s
+            while time.monotonic() < deadline and proc.poll() is None:
+                time.sleep(0.1)
+        except BaseException:  # Ctrl-C while it starts: it goes too
+            proc.kill()
+            raise
         if proc.poll() is None:
             session.proc = proc
             return session
@@ -140,8 +145,12 @@ def start_session(
     raise UserError(f"ssh to {worker.host} ended at once (exit {proc.returncode}): {last}")
 
 
-def watch(sessions: list[Session], on_line: IO[str] | None = None) -> threading.Thread:
-    """A thread that says when each session ends (its host left)."""
+def watch(
+    sessions: list[Session],
+    on_line: IO[str] | None = None,
+    on_end: Callable[[Session], None] | None = None,
+) -> threading.Thread:
+    """A thread that says when each session ends (its host left), and calls ``on_end``."""
 
     def run() -> None:
         seen: set[str] = set()
@@ -151,9 +160,10 @@ def watch(sessions: list[Session], on_line: IO[str] | None = None) -> threading.
                     seen.add(s.worker.host)
                     if on_line is not None:
                         assert s.proc is not None
-                        on_line.write(
-                            f"[{s.worker.host}] ssh session ended ({s.proc.returncode})\n"
-                        )
+                        code = s.proc.returncode
+                        on_line.write(f"[{s.worker.host}] ssh session ended ({code})\n")
+                    if on_end is not None:
+                        on_end(s)
             time.sleep(0.5)
 
     thread = threading.Thread(target=run, daemon=True)

@@ -28,10 +28,12 @@ from muster.cli.common import ControllerOpt, TokenFileOpt, client
 from muster.cli.main import app, err, out, reports_errors
 from muster.errors import UserError
 from muster.spec import JobSpec, load_job_file, parse_job
+from muster.spec.cluster import ssh_option_problem
 
 FETCH_TIMEOUT_S = 600
 _RSYNC = re.compile(
-    r"^rsync://(?:(?P<user>[^@/\s]+)@)?(?P<host>[^:/\s]+)(?::(?P<port>\d+))?:(?P<path>/\S*)$"
+    r"^rsync://(?:(?P<user>[^-@/\s][^@/\s]*)@)?(?P<host>[^-:/\s][^:/\s]*)(?::(?P<port>\d+))?"
+    r":(?P<path>/\S*)$"
 )
 
 
@@ -56,18 +58,9 @@ def fetch(source: str, into: Path, ssh_options: list[str] | None = None) -> str:
             ]
         )
         remote = f"{found['user']}@{found['host']}" if found["user"] else found["host"]
-        _run(
-            [
-                "rsync",
-                "-a",
-                "--delete",
-                "-e",
-                ssh,
-                f"{remote}:{found['path'].rstrip('/')}/",
-                f"{into}/",
-            ],
-            source,
-        )
+        where = f"{remote}:{found['path'].rstrip('/')}/"
+        # --protect-args: the path reaches the remote rsync as one argument, never its shell.
+        _run(["rsync", "-a", "--protect-args", "-e", ssh, "--", where, f"{into}/"], source)
         return f"{found['path']} on {found['host']} (rsync)"
     if source.startswith("git+"):
         url, _, ref = source.removeprefix("git+").partition("#")
@@ -76,8 +69,15 @@ def fetch(source: str, into: Path, ssh_options: list[str] | None = None) -> str:
                 f"{source}: a git source needs a ref (#<commit, tag or branch>): a default "
                 "branch moves, and a run must be pinned"
             )
-        _run(["git", "clone", "--quiet", "--no-checkout", url, str(into)], source)
-        _run(["git", "-C", str(into), "checkout", "--quiet", "--detach", ref], source)
+        _run(["git", "clone", "--quiet", "--no-checkout", "--", url, str(into)], source)
+        known = subprocess.run(  # a commit or a tag, else a branch of the remote
+            ["git", "-C", str(into), "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        target = ref if known.returncode == 0 else f"origin/{ref}"
+        _run(["git", "-C", str(into), "checkout", "--quiet", "--detach", target, "--"], source)
         commit = _run(["git", "-C", str(into), "rev-parse", "HEAD"], source).strip()
         shutil.rmtree(into / ".git", ignore_errors=True)
         return f"{url} at {ref} ({commit[:12]})"
@@ -85,6 +85,17 @@ def fetch(source: str, into: Path, ssh_options: list[str] | None = None) -> str:
         f"{source}: unknown source; use file:///abs/dir, rsync://[user@]host[:port]:/abs/dir "
         "or git+https://host/repo#ref"
     )
+
+
+def drop_links(tree: Path) -> list[str]:
+    """Remove every symbolic link from the fetched tree: a bundle ships none, so the gate
+    must not pass on (or write through) what would not be shipped. Returns what went."""
+    gone = []
+    for path in sorted(tree.rglob("*")):
+        if path.is_symlink():
+            gone.append(path.relative_to(tree).as_posix())
+            path.unlink()
+    return gone
 
 
 def _run(argv: list[str], source: str) -> str:
@@ -131,7 +142,7 @@ def run_spec(spec: JobSpec, args: list[str] | None) -> JobSpec:
     return parse_job(data, source="the published run")
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@app.command(context_settings={"allow_extra_args": True})
 @reports_errors
 def publish(
     ctx: typer.Context,
@@ -148,6 +159,10 @@ def publish(
 ) -> None:
     """Publish a run: fetch SOURCE, pass the build gate, then submit JOB as a window job
     with that tree (arguments after -- replace the job's args)."""
+    for option in ssh_option:
+        problem = ssh_option_problem(option)
+        if problem:
+            raise UserError(f"--ssh-option: {problem}")
     spec = load_job_file(job_file)
     args = list(ctx.args) if ctx.args else None
     world = run_spec(spec, args)
@@ -155,6 +170,12 @@ def publish(
     with tempfile.TemporaryDirectory(prefix="muster-publish-") as tmp:
         tree = Path(tmp) / "tree"
         what = fetch(source, tree, ssh_option)
+        dropped = drop_links(tree)
+        if dropped:
+            shown = ", ".join(dropped[:5]) + (
+                f" and {len(dropped) - 5} more" if len(dropped) > 5 else ""
+            )
+            err.print(f"warning: symbolic links are not shipped; left out: {shown}", markup=False)
         gate(tree, gate_command)
         job = api.submit_with_bundle(world, tree)["id"]
     err.print(f"published {job}: {what}; walk-ins without --job join it", markup=False)

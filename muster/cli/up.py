@@ -20,11 +20,11 @@ import typer
 from rich.table import Table
 
 from muster.cli.common import ControllerOpt, TokenFileOpt, client, read_secret
-from muster.cli.fanout import capacity, ssh_argv, start_session, stop_sessions, watch
+from muster.cli.fanout import Session, capacity, ssh_argv, start_session, stop_sessions, watch
 from muster.cli.follow import follow_logs
 from muster.cli.main import app, err, out, reports_errors
-from muster.client import controller_url
-from muster.errors import UserError
+from muster.client import Client, controller_url
+from muster.errors import MusterError, UserError
 from muster.spec import JobSpec, load_cluster_file, load_job_file, parse_job
 from muster.spec.cluster import ClusterFile
 
@@ -87,6 +87,7 @@ def window_spec(spec: JobSpec, cluster: ClusterFile, total: int) -> JobSpec:
     data: dict[str, Any] = spec.model_dump(mode="json", exclude_none=True)
     dist = data.get("distributed") or {}
     window = join.model_dump(mode="json", exclude_none=True)
+    window["named_only"] = True  # its boxes, not a fleet waiting for any run
     window["quorum"] = cluster.quorum(total)
     if join.start != "manual":
         window["target_ranks"] = cluster.target(total)
@@ -100,6 +101,19 @@ def window_spec(spec: JobSpec, cluster: ClusterFile, total: int) -> JobSpec:
     data["distributed"] = dist
     data["env"] = {**cluster.env, **spec.env}
     return parse_job(data, source="the job on this cluster")
+
+
+def _host_left(api: Client, job: str, session: Session) -> None:
+    """A worker's session ended: before its world formed, the run cannot form as configured
+    (the job is cancelled, with that host's last words); after, fail-fast has it."""
+    try:
+        if api.job(job)["state"] != "queued":
+            return
+        tail = " ".join(session.log.read_text(errors="replace").split())[-300:]
+        err.print(f"[{session.worker.host}] left before the world formed: {tail}", markup=False)
+        api.cancel(job)
+    except MusterError as exc:  # the controller is going away too: follow_logs will say so
+        err.print(f"[{session.worker.host}] left; cancelling {job} failed: {exc}", markup=False)
 
 
 @app.command()
@@ -124,6 +138,15 @@ def up(
     cluster = load_cluster_file(cluster_file)
     spec = load_job_file(job_file) if job_file is not None else None
     describe(cluster)
+    for worker in cluster.workers:
+        if any(
+            o.replace(" ", "").lower() == "stricthostkeychecking=no" for o in worker.ssh.options
+        ):
+            err.print(
+                f"[yellow]warning:[/] {worker.host}: StrictHostKeyChecking=no: the join secret "
+                "goes down this session, and an unchecked host key lets a man in the middle "
+                "take it; add the host's key to known_hosts instead"
+            )
     if dry_run:
         return
     if spec is None or job_file is None:
@@ -151,14 +174,18 @@ def up(
             session = start_session(
                 worker,
                 job,
-                (url.scheme, url.hostname or "127.0.0.1", url.port or 80),
+                (
+                    url.scheme,
+                    url.hostname or "127.0.0.1",
+                    url.port or (443 if url.scheme == "https" else 80),
+                ),
                 join,
                 logs / f"{worker.host}.log",
                 gpu_ram_share=cluster.gpu_ram_share_of(worker),
             )
             sessions.append(session)
             err.print(f"[{worker.host}] joining through ssh (log: {session.log})", markup=False)
-        watch(sessions, sys.stderr)
+        watch(sessions, sys.stderr, on_end=lambda s: _host_left(api, job, s))
         state = follow_logs(api, job)
     except BaseException:  # a worker ssh could not reach, or Ctrl-C: the job goes too
         if api.job(job)["state"] not in ("succeeded", "failed", "cancelled"):

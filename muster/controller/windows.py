@@ -260,7 +260,9 @@ class WindowDesk:
             on_rosters = {m.worker for e in self.entries.values() for m in e.window.roster}
             mine = [i for i in idle if i.join and i.join.job == job]
             # A walk-in for any job goes to the oldest open window that takes it.
-            mine += [i for i in anyone if i.id not in on_rosters]
+            if not (spec.gang.window and spec.gang.window.named_only):
+                # (served: formed into another window earlier in this very pass)
+                mine += [i for i in anyone if i.id not in on_rosters and i.id not in self.served]
             await self._admit(entry, mine, at)
             if job in self.entries and entry.window.phase.open:
                 reasons[job] = summary(job, entry.window, at)

@@ -60,11 +60,12 @@ def refusal(cohort: Hello | None, hello: Hello, backend: str) -> str:
             f"{cohort.model_sig[:12]} (as {cohort.host}'s): its source tree is not the run's; "
             "fetch the published source again"
         )
-    if cohort.data_sig is not None and hello.data_sig != cohort.data_sig:
+    if hello.data_sig != cohort.data_sig:  # either side holding data makes it a condition
         got = hello.data_sig[:12] if hello.data_sig else "none"
+        theirs = cohort.data_sig[:12] if cohort.data_sig else "none"
         return (
-            f"{hello.host}'s dataset signature {got} differs from the cohort's "
-            f"{cohort.data_sig[:12]} (as {cohort.host}'s): its data_path does not hold the same "
-            "files; sync the data (or point data_path at the same copy)"
+            f"{hello.host}'s dataset signature {got} differs from the cohort's {theirs} (as "
+            f"{cohort.host}'s): its data_path does not hold the same files; sync the data, or "
+            "give every box its --data-path (or none)"
         )
     return ""

@@ -123,6 +123,26 @@ class ClusterFile(_Model):
         return worker.gpu_ram_share if worker.gpu_ram_share is not None else self.gpu_ram_share
 
 
+#: ssh options that run a command on the machine running ssh: a cluster file (or a --ssh-option)
+#: must not turn `muster up` into a way to run one.
+SSH_COMMAND_OPTIONS = frozenset(
+    {"proxycommand", "localcommand", "permitlocalcommand", "knownhostscommand", "match", "include"}
+)
+
+
+def ssh_option_problem(option: str) -> str | None:
+    """Why ``option`` may not be handed to ssh as ``-o option``, or None."""
+    key, sep, _value = option.partition("=")
+    if not sep or not key or option.startswith("-") or any(c.isspace() for c in key):
+        return f"{option!r} is not an ssh option; write Key=Value (e.g. ProxyJump=bastion)"
+    if key.lower() in SSH_COMMAND_OPTIONS:
+        return (
+            f"{key} runs a command on this machine; muster refuses it (ProxyJump reaches a "
+            "host through a bastion without one)"
+        )
+    return None
+
+
 def cluster_env_problem(key: str) -> str | None:
     """Why a cluster file's env may not set ``key``, or None when it may."""
     if not ENV_NAME.match(key):
@@ -178,12 +198,20 @@ def _workers(cluster: ClusterFile) -> Iterator[FieldError]:
             value = getattr(worker, name)
             if value is not None and not value.startswith("/"):
                 yield FieldError(f"{at}.{name}", f"{value!r} is not an absolute path")
-        for j, option in enumerate(worker.ssh.options):
-            if "=" not in option or option.startswith("-"):
+        for name, value in (
+            ("host", worker.host),
+            ("ssh.target", worker.ssh.target),
+            ("ssh.user", worker.ssh.user),
+        ):
+            if value is not None and (value.startswith("-") or any(c.isspace() for c in value)):
                 yield FieldError(
-                    f"{at}.ssh.options[{j}]",
-                    f"{option!r} is not an ssh option; write Key=Value (e.g. ProxyJump=bastion)",
+                    f"{at}.{name}",
+                    f"{value!r} would reach ssh as an option; write a host or user name",
                 )
+        for j, option in enumerate(worker.ssh.options):
+            problem = ssh_option_problem(option)
+            if problem:
+                yield FieldError(f"{at}.ssh.options[{j}]", problem)
 
 
 def _envs(cluster: ClusterFile) -> Iterator[FieldError]:

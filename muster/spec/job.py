@@ -98,6 +98,11 @@ class JoinWindow(_Model):
     start: StartMode = Field(
         default="auto", description="auto (the clock), manual (`muster start`), or hybrid"
     )
+    named_only: bool = Field(
+        default=False,
+        description="admit only boxes that name this job (muster join --job), not a fleet "
+        "waiting for any run (muster up sets it)",
+    )
 
 
 class Distributed(_Model):

@@ -14,7 +14,7 @@ from muster.errors import FieldError
 from muster.spec.job import MAX_PROCS_PER_WORKER, JobSpec, JoinWindow
 
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
-ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 #: Variables torchrun or the gang's network path set; a job may not set them.

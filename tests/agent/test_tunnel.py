@@ -19,7 +19,7 @@ def test_the_forward_never_prompts_and_keeps_its_local_port() -> None:
     assert "ExitOnForwardFailure=yes" in argv
     assert argv[argv.index("-p") + 1] == "2222"
     assert argv[argv.index("-L") + 1] == f"127.0.0.1:{tunnel.local_port}:127.0.0.1:7070"
-    assert argv[-1] == "joiner@ctrl.example.com"
+    assert argv[-2:] == ["--", "joiner@ctrl.example.com"]  # never read as an option
     assert tunnel.url("http") == f"http://127.0.0.1:{tunnel.local_port}"
     assert tunnel.argv() == argv  # the same local port on every dial
 

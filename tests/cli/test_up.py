@@ -32,7 +32,7 @@ def test_dry_run_prints_the_window_hosts_ranks_and_ssh_targets() -> None:
     assert any(line.split()[:3] == ["node-b", "?", "all"] for line in lines if line.strip())
     assert (
         "node-b: ssh -o BatchMode=yes -o ExitOnForwardFailure=yes -p 2222 -i "
-        "/home/someone/.ssh/cluster_key -o ProxyJump=bastion ubuntu@10.0.0.12" in result.stdout
+        "/home/someone/.ssh/cluster_key -o ProxyJump=bastion -- ubuntu@10.0.0.12" in result.stdout
     )
 
 

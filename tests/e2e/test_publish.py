@@ -99,14 +99,20 @@ def test_a_persistent_fleet_walks_into_each_published_run(
         ["git", "-C", str(tree), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x"],
         check=True,
     )
+    # A branch that is not checked out: the run is that branch's tree.
+    git = ["git", "-C", str(tree), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "checkout", "-qb", "exp"], check=True)
+    (tree / "train.py").write_text(SCRIPT.replace("ran {sys.argv", "ran exp {sys.argv"))
+    subprocess.run([*git, "commit", "-qam", "exp"], check=True)
+    subprocess.run([*git, "checkout", "-q", "-"], check=True)
     unpinned = muster(cluster, "publish", f"git+file://{tree}", str(job_file))
     assert unpinned.returncode == 2
     assert "a git source needs a ref" in unpinned.stderr
-    second = muster(cluster, "publish", f"git+file://{tree}#HEAD", str(job_file), "--", "two")
+    second = muster(cluster, "publish", f"git+file://{tree}#exp", str(job_file), "--", "two")
     assert second.returncode == 0, second.stderr
     run_two = second.stdout.strip()
     assert run_two != run_one
-    assert ran(cluster, run_two) == [f"rank {r} of 2 ran ['two']" for r in range(2)]
+    assert ran(cluster, run_two) == [f"rank {r} of 2 ran exp ['two']" for r in range(2)]
     members = {m["worker"] for m in cluster.client().job(run_two)["members"]}
     assert members == {"walkin-fleet-0", "walkin-fleet-1"}
     for i, box in enumerate(fleet):
@@ -125,6 +131,7 @@ def test_an_rsync_source_comes_over_ssh(
     try:
         tree, job_file = source(tmp_path)
         (tree / "uncommitted.txt").write_text("work in progress\n")
+        (tree / "elsewhere").symlink_to("/etc")  # never shipped, never under the gate
         box = walk_in(cluster, None, "rsync-box", "--procs", "2")
         options = [f"IdentityFile={server.key}", *server.client_options]
         done = muster(
@@ -138,6 +145,7 @@ def test_an_rsync_source_comes_over_ssh(
         )
         assert done.returncode == 0, done.stderr
         assert "(rsync)" in done.stderr
+        assert "symbolic links are not shipped; left out: elsewhere" in done.stderr
         run = done.stdout.strip()
         # One box of 2 ranks fills the 2-rank window.
         assert ran(cluster, run) == [f"rank {r} of 2 ran ['synced']" for r in range(2)]

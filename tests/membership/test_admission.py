@@ -43,8 +43,10 @@ def test_cpu_cohorts_may_mix_vendors_under_gloo() -> None:
     assert refusal(FIRST, cpu, "gloo") == ""
 
 
-def test_a_dataset_signature_is_compared_only_when_the_cohort_declares_data() -> None:
-    assert refusal(FIRST, dataclasses.replace(FIRST, data_sig="1" * 64), "gloo") == ""
+def test_a_dataset_signature_is_compared_when_either_box_holds_data() -> None:
+    assert refusal(FIRST, dataclasses.replace(FIRST, host="box-b"), "gloo") == ""  # neither
+    late = refusal(FIRST, dataclasses.replace(FIRST, host="box-b", data_sig="1" * 64), "gloo")
+    assert "box-b's dataset signature 111111111111 differs from the cohort's none" in late
     with_data = dataclasses.replace(FIRST, data_sig="1" * 64)
     why = refusal(with_data, dataclasses.replace(FIRST, host="box-b", data_sig="2" * 64), "gloo")
     assert "dataset signature 222222222222" in why

@@ -134,7 +134,26 @@ REFUSALS = [
         "workers[0].ssh.options[0]",
         "Key=Value",
     ),
+    (
+        "a command-running ssh option",
+        {"workers": workers({"host": "a", "procs": 1, "ssh": {"options": ["ProxyCommand=sh"]}})},
+        "workers[0].ssh.options[0]",
+        "runs a command on this machine",
+    ),
+    (
+        "a host ssh would read as an option",
+        {"workers": workers({"host": "-oProxyCommand=sh", "procs": 1})},
+        "workers[0].host",
+        "would reach ssh as an option",
+    ),
+    (
+        "a target with a space",
+        {"workers": workers({"host": "a", "procs": 1, "ssh": {"target": "a -v"}})},
+        "workers[0].ssh.target",
+        "would reach ssh as an option",
+    ),
     ("visibility mask", {"env": {"CUDA_VISIBLE_DEVICES": "0"}}, "env.CUDA_VISIBLE_DEVICES", "mask"),
+    ("a trailing newline", {"env": {"A\n": "0"}}, "env.A\n", "not a valid variable name"),
     ("rank variable", {"env": {"RANK": "0"}}, "env.RANK", "set by muster"),
     (
         "platform variable on a host",
