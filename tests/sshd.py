@@ -97,6 +97,7 @@ def start_sshd(
                 f"AllowTcpForwarding {'local' if guarded else 'yes'}",
                 "X11Forwarding no",
                 "PrintMotd no",
+                "Subsystem sftp internal-sftp",  # sshfs (a guarded key's forced command bars it)
                 "LogLevel VERBOSE",
                 "",
             ]

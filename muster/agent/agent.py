@@ -29,6 +29,7 @@ from websockets.asyncio.client import ClientConnection, connect
 
 from muster import wire
 from muster.agent.capture import Line
+from muster.agent.datasource import SshfsSource
 from muster.agent.launcher import MemberRun
 from muster.agent.network import GangNetwork
 from muster.agent.retention import remove_stale_job_dirs
@@ -100,6 +101,9 @@ class AgentConfig:
     tunnel: SshTunnel | None = None
     # A walk-in's own facts for its ranks (MUSTER_DATA_PATH, MUSTER_GPU_RAM_SHARE).
     host_env: dict[str, str] = field(default_factory=dict)
+    # `muster join --data-source sshfs://...`: its data root, mounted again before each dial
+    # when it went away.
+    data_source: SshfsSource | None = None
 
 
 @dataclass
@@ -188,6 +192,9 @@ class Agent:
             collector.cancel()
             if self.config.tunnel is not None:
                 await self.config.tunnel.close()
+            source = self.config.data_source
+            if source is not None and source.mounted_here:
+                await asyncio.to_thread(source.unmount)
             await self.network.down(closing=True)
             await self.network.sweep_rules()
 
@@ -225,6 +232,8 @@ class Agent:
         while True:
             self.welcomed = False
             try:
+                if self.config.data_source is not None:
+                    await asyncio.to_thread(self.config.data_source.ensure)
                 if self.config.tunnel is not None:
                     await self.config.tunnel.open()
                     scheme = urlparse(self.config.controller).scheme or "http"

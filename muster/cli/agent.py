@@ -13,6 +13,7 @@ from urllib.parse import urlparse
 import typer
 
 from muster.agent.agent import Agent, AgentConfig
+from muster.agent.datasource import SshfsSource
 from muster.agent.inventory import (
     advertise_address_for,
     check_interface,
@@ -145,6 +146,11 @@ def join(
     gpu_ram_share: float = typer.Option(
         None, min=0.01, max=4.0, help="APU boxes: the share of RAM its GPU claims (to ranks)"
     ),
+    data_source: str = typer.Option(
+        None,
+        help="sshfs://[user@]host[:port]:/dir: mount it read-only on --data-path when it is "
+        "not there (before each dial), with the --ssh-identity key and --ssh-option options",
+    ),
     ssh: str = typer.Option(
         None,
         help="[user@]host[:port]: dial through an ssh -L forward to this host (fresh each "
@@ -159,11 +165,26 @@ def join(
     """Walk in to a job's join window: offer this box's ranks, run its part once the world
     forms, and leave when the job ends."""
     roster_name = host or socket.gethostname()
+    for option in ssh_option:  # for --ssh and --data-source alike
+        problem = ssh_option_problem(option)
+        if problem:
+            raise UserError(f"--ssh-option: {problem}")
     if devices is not None and procs is not None:
         raise UserError("--devices and --procs: give one (GPU ranks, or CPU ranks)")
     offered = parse_devices(devices) if devices is not None else None
     host_env: dict[str, str] = {}
     data_sig = None
+    source = None
+    if data_source is not None:
+        if data_path is None:
+            raise UserError("--data-source needs --data-path: the directory to mount it on")
+        source = SshfsSource(
+            data_source,
+            data_path.resolve(),
+            identity_file=str(ssh_identity) if ssh_identity else None,
+            options=list(ssh_option),
+        )
+        source.ensure()  # before the signature: it is of the mounted files
     if data_path is not None:
         if not data_path.is_dir():
             raise UserError(f"--data-path {data_path} is not a directory this box can read")
@@ -179,10 +200,6 @@ def join(
     tunnel = None
     if ssh is not None:
         seen = urlparse(controller_url(controller))
-        for option in ssh_option:
-            problem = ssh_option_problem(option)
-            if problem:
-                raise UserError(f"--ssh-option: {problem}")
         tunnel = SshTunnel(
             ssh,
             seen.hostname or "127.0.0.1",
@@ -209,6 +226,7 @@ def join(
         backoff=(5.0, 60.0),
         tunnel=tunnel,
         host_env=host_env,
+        data_source=source,
     )
 
 
@@ -231,6 +249,7 @@ def serve(
     backoff: tuple[float, float] | None = None,
     tunnel: SshTunnel | None = None,
     host_env: dict[str, str] | None = None,
+    data_source: SshfsSource | None = None,
 ) -> None:
     """Run an agent until its link ends (or for ever with ``persist``); exits with its code."""
     keep_for = parse_retention(retention, "--retention")
@@ -286,6 +305,7 @@ def serve(
         config.backoff = backoff
     config.tunnel = tunnel
     config.host_env = dict(host_env or {})
+    config.data_source = data_source
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if path_timeout < 30:
         logging.getLogger("muster.agent").warning(

@@ -5,6 +5,7 @@ nothing. Real controller, `muster join` processes, torchrun and gloo; rsync over
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -151,4 +152,74 @@ def test_an_rsync_source_comes_over_ssh(
         assert ran(cluster, run) == [f"rank {r} of 2 ran ['synced']" for r in range(2)]
         assert box.wait(60) == 0
     finally:
+        server.stop()
+
+
+SSHFS_SCRIPT = """\
+import os
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+data = os.environ["MUSTER_DATA_PATH"]
+try:
+    open(os.path.join(data, "mine.txt"), "w").close()
+    wrote = "wrote"
+except OSError:
+    wrote = "read-only"
+seen = open(os.path.join(data, "shard.txt")).read().strip()
+print(f"rank {dist.get_rank()} sees {seen} ({wrote})", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_a_data_source_is_mounted_read_only_over_sshfs_for_the_ranks(
+    cluster: LocalCluster, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    if shutil.which("sshfs") is None or not os.path.exists("/dev/fuse"):
+        if os.environ.get("MUSTER_TEST_REQUIRE_SSH") == "1":
+            pytest.fail("sshfs and /dev/fuse are required here (.ci/run installs sshfs)")
+        pytest.skip("no sshfs or no /dev/fuse on this machine")
+    server, why_not = start_sshd(tmp_path_factory.mktemp("sshd"), cluster.port, guarded=False)
+    if server is None:
+        if os.environ.get("MUSTER_TEST_REQUIRE_SSH") == "1":
+            pytest.fail(f"an OpenSSH server is required here: {why_not}")
+        pytest.skip(f"no OpenSSH server can run here: {why_not}")
+    mount = tmp_path / "mnt"
+    try:
+        served = tmp_path / "served"
+        served.mkdir()
+        (served / "shard.txt").write_text("shard-0\n")
+        job_dir = tmp_path / "job"
+        job_dir.mkdir()
+        (job_dir / "train.py").write_text(SSHFS_SCRIPT)
+        spec = {
+            "name": "sshfs",
+            "entrypoint": "train.py",
+            "distributed": {"num_workers": 1, "procs_per_worker": 2, "backend": "gloo"},
+        }
+        (job_dir / "job.yaml").write_text(yaml.safe_dump(spec))
+        box = walk_in(
+            cluster,
+            None,
+            "mounted",
+            "--procs",
+            "2",
+            "--data-source",
+            f"sshfs://root@127.0.0.1:{server.port}:{served}",
+            "--data-path",
+            str(mount),
+            "--ssh-identity",
+            str(server.key),
+            *(arg for option in server.client_options for arg in ("--ssh-option", option)),
+        )
+        done = muster(cluster, "publish", f"file://{job_dir}", str(job_dir / "job.yaml"))
+        assert done.returncode == 0, done.stderr
+        assert ran(cluster, done.stdout.strip()) == [
+            f"rank {r} sees shard-0 (read-only)" for r in range(2)
+        ]
+        assert box.wait(60) == 0
+        assert not os.path.ismount(mount)  # taken down when the box left
+        assert not (served / "mine.txt").exists()
+    finally:
+        subprocess.run(["fusermount", "-u", "-z", str(mount)], capture_output=True, check=False)
         server.stop()
