@@ -23,6 +23,7 @@ class Sshd:
     known_hosts: Path
     proc: subprocess.Popen[bytes]
     log: Path
+    source_key: Path | None = None  # a key that may only read the served tree (rrsync -ro)
 
     @property
     def client_options(self) -> list[str]:
@@ -51,8 +52,14 @@ def guarded_key_line(public_key: str, controller_port: int) -> str:
     )
 
 
+def source_key_line(public_key: str, served: Path) -> str:
+    """The recipe's key for a published source tree: rsync may read it (re-rooted at
+    ``served``), nothing else."""
+    return f'command="rrsync -ro {served}",restrict {public_key}'
+
+
 def start_sshd(
-    root: Path, controller_port: int, *, guarded: bool = True
+    root: Path, controller_port: int, *, guarded: bool = True, served: Path | None = None
 ) -> tuple[Sshd | None, str]:
     """An sshd for the current user on a free loopback port; (None, why) when none can run.
     ``guarded``: the join recipe (local forwards to the controller's port only, no command);
@@ -63,7 +70,8 @@ def start_sshd(
     root.mkdir(parents=True, exist_ok=True)
     os.chmod(root, 0o700)
     host_key, key = root / "host_ed25519", root / "client_ed25519"
-    for path in (host_key, key):
+    source_key = root / "source_ed25519" if served is not None else None
+    for path in (host_key, key, *([source_key] if source_key else [])):
         subprocess.run(
             ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)],
             check=True,
@@ -72,6 +80,9 @@ def start_sshd(
     authorized = root / "authorized_keys"
     public = (key.with_suffix(".pub")).read_text().strip()
     line = guarded_key_line(public, controller_port) if guarded else public
+    if source_key is not None and served is not None:
+        source_public = source_key.with_suffix(".pub").read_text().strip()
+        line += "\n" + source_key_line(source_public, served)
     authorized.write_text(line + "\n")
     os.chmod(authorized, 0o600)
     with socket.socket() as s:
@@ -115,7 +126,7 @@ def start_sshd(
         if proc.poll() is not None:
             return None, f"sshd exited {proc.returncode}: {log.read_text()[-400:]}"
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
-            return Sshd(port, key, known_hosts, proc, log), ""
+            return Sshd(port, key, known_hosts, proc, log, source_key), ""
         time.sleep(0.1)
     proc.kill()
     return None, "sshd did not listen within 15 s"

@@ -223,3 +223,58 @@ def test_a_data_source_is_mounted_read_only_over_sshfs_for_the_ranks(
     finally:
         subprocess.run(["fusermount", "-u", "-z", str(mount)], capture_output=True, check=False)
         server.stop()
+
+
+def test_the_guarded_source_key_serves_the_tree_to_rsync_read_only_and_nothing_else(
+    cluster: LocalCluster, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The guarded recipe's second key: `command="rrsync -ro <served>",restrict`. A publish
+    asks for `/` (re-rooted at the served tree); a shell, or a write, is refused."""
+    if shutil.which("rrsync") is None:
+        if os.environ.get("MUSTER_TEST_REQUIRE_SSH") == "1":
+            pytest.fail("rrsync is required here (Debian's rsync package ships it)")
+        pytest.skip("no rrsync on this machine")
+    tree, job_file = source(tmp_path)
+    server, why_not = start_sshd(
+        tmp_path_factory.mktemp("sshd"), cluster.port, guarded=True, served=tree
+    )
+    if server is None:
+        if os.environ.get("MUSTER_TEST_REQUIRE_SSH") == "1":
+            pytest.fail(f"an OpenSSH server is required here: {why_not}")
+        pytest.skip(f"no OpenSSH server can run here: {why_not}")
+    try:
+        assert server.source_key is not None
+        options = [f"IdentityFile={server.source_key}", *server.client_options]
+        box = walk_in(cluster, None, "guarded-box", "--procs", "2")
+        done = muster(
+            cluster,
+            "publish",
+            f"rsync://root@127.0.0.1:{server.port}:/",
+            str(job_file),
+            *(arg for option in options for arg in ("--ssh-option", option)),
+            "--",
+            "guarded",
+        )
+        assert done.returncode == 0, done.stderr
+        assert ran(cluster, done.stdout.strip()) == [
+            f"rank {r} of 2 ran ['guarded']" for r in range(2)
+        ]
+        assert box.wait(60) == 0
+        ssh = ["ssh", "-o", "BatchMode=yes", "-p", str(server.port)]
+        ssh += [arg for option in options for arg in ("-o", option)]
+        shell = subprocess.run(
+            [*ssh, "root@127.0.0.1", "echo", "escaped"], capture_output=True, text=True, timeout=30
+        )
+        assert "escaped" not in shell.stdout
+        planted = tmp_path / "planted.txt"
+        planted.write_text("x")
+        push = subprocess.run(
+            ["rsync", "-e", " ".join(ssh), str(planted), "root@127.0.0.1:/"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert push.returncode != 0
+        assert not (tree / "planted.txt").exists()
+    finally:
+        server.stop()

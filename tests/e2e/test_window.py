@@ -164,6 +164,21 @@ def test_an_auto_window_forms_the_moment_its_target_is_in(
     assert all(box.wait(60) == 0 for box in boxes)
 
 
+def test_a_hybrid_window_forms_on_its_timeout_with_the_quorum_in(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    api = cluster.client()
+    rules = {"start": "hybrid", "quorum": 2, "target_ranks": 3, "join_timeout": 15}
+    job = submit(api, window_job(tmp_path, "expiry", rules, hosts=3))
+    boxes = [walk_in(cluster, job, f"exp-{i}") for i in range(2)]
+    # Two of a target of three: held (staging) until the clock forms it, with no start.
+    done = wait_state(api, job, timeout=120)
+    assert done["state"] == "succeeded", done["root_cause"]
+    assert api.window(job)["reason"] == "formed on timeout"
+    assert api.job(job)["world_size"] == 2
+    assert all(box.wait(60) == 0 for box in boxes)
+
+
 def test_a_quorum_never_met_fails_the_job_at_the_hard_cap_and_the_walk_in_leaves(
     cluster: LocalCluster, tmp_path: Path
 ) -> None:
