@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 SSHD_PATHS = ("/usr/sbin/sshd", "/usr/bin/sshd")
 
 
@@ -130,3 +132,18 @@ def start_sshd(
         time.sleep(0.1)
     proc.kill()
     return None, "sshd did not listen within 15 s"
+
+
+def sshd_or_skip(
+    root: Path, controller_port: int, *, guarded: bool = True, served: Path | None = None
+) -> Sshd:
+    """start_sshd for a test: where none can run it skips, saying why, unless
+    MUSTER_TEST_REQUIRE_SSH=1 (CI), where it fails."""
+    server, why_not = start_sshd(root, controller_port, guarded=guarded, served=served)
+    if server is None:
+        if os.environ.get("MUSTER_TEST_REQUIRE_SSH") == "1":
+            pytest.fail(
+                f"an OpenSSH server is required here (MUSTER_TEST_REQUIRE_SSH=1): {why_not}"
+            )
+        pytest.skip(f"no OpenSSH server can run here: {why_not}")
+    return server

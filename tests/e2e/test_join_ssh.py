@@ -4,7 +4,6 @@ the controller only through the tunnel trains in the same world as one that dial
 
 from __future__ import annotations
 
-import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +13,7 @@ import pytest
 from muster.cli.local import LocalCluster
 from tests.e2e.helpers import all_lines, submit, wait_state
 from tests.e2e.test_window import wait_window, walk_in, window_job
-from tests.sshd import Sshd, start_sshd
+from tests.sshd import Sshd, sshd_or_skip
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -27,13 +26,7 @@ def cluster() -> Iterator[LocalCluster]:
 
 @pytest.fixture(scope="module")
 def sshd(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sshd]:
-    server, why_not = start_sshd(tmp_path_factory.mktemp("sshd"), cluster.port)
-    if server is None:
-        if os.environ.get("MUSTER_TEST_REQUIRE_SSH") == "1":
-            pytest.fail(
-                f"an OpenSSH server is required here (MUSTER_TEST_REQUIRE_SSH=1): {why_not}"
-            )
-        pytest.skip(f"no OpenSSH server can run here: {why_not}")
+    server = sshd_or_skip(tmp_path_factory.mktemp("sshd"), cluster.port)
     yield server
     server.stop()
 

@@ -17,7 +17,7 @@ import yaml
 from muster.cli.local import LocalCluster
 from tests.e2e.helpers import all_lines, wait_state
 from tests.e2e.test_window import walk_in
-from tests.sshd import start_sshd
+from tests.sshd import sshd_or_skip
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -124,11 +124,7 @@ def test_a_persistent_fleet_walks_into_each_published_run(
 def test_an_rsync_source_comes_over_ssh(
     cluster: LocalCluster, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    server, why_not = start_sshd(tmp_path_factory.mktemp("sshd"), cluster.port, guarded=False)
-    if server is None:
-        if os.environ.get("MUSTER_TEST_REQUIRE_SSH") == "1":
-            pytest.fail(f"an OpenSSH server is required here: {why_not}")
-        pytest.skip(f"no OpenSSH server can run here: {why_not}")
+    server = sshd_or_skip(tmp_path_factory.mktemp("sshd"), cluster.port, guarded=False)
     try:
         tree, job_file = source(tmp_path)
         (tree / "uncommitted.txt").write_text("work in progress\n")
@@ -179,11 +175,7 @@ def test_a_data_source_is_mounted_read_only_over_sshfs_for_the_ranks(
         if os.environ.get("MUSTER_TEST_REQUIRE_SSH") == "1":
             pytest.fail("sshfs and /dev/fuse are required here (.ci/run installs sshfs)")
         pytest.skip("no sshfs or no /dev/fuse on this machine")
-    server, why_not = start_sshd(tmp_path_factory.mktemp("sshd"), cluster.port, guarded=False)
-    if server is None:
-        if os.environ.get("MUSTER_TEST_REQUIRE_SSH") == "1":
-            pytest.fail(f"an OpenSSH server is required here: {why_not}")
-        pytest.skip(f"no OpenSSH server can run here: {why_not}")
+    server = sshd_or_skip(tmp_path_factory.mktemp("sshd"), cluster.port, guarded=False)
     mount = tmp_path / "mnt"
     try:
         served = tmp_path / "served"
@@ -235,13 +227,7 @@ def test_the_guarded_source_key_serves_the_tree_to_rsync_read_only_and_nothing_e
             pytest.fail("rrsync is required here (Debian's rsync package ships it)")
         pytest.skip("no rrsync on this machine")
     tree, job_file = source(tmp_path)
-    server, why_not = start_sshd(
-        tmp_path_factory.mktemp("sshd"), cluster.port, guarded=True, served=tree
-    )
-    if server is None:
-        if os.environ.get("MUSTER_TEST_REQUIRE_SSH") == "1":
-            pytest.fail(f"an OpenSSH server is required here: {why_not}")
-        pytest.skip(f"no OpenSSH server can run here: {why_not}")
+    server = sshd_or_skip(tmp_path_factory.mktemp("sshd"), cluster.port, guarded=True, served=tree)
     try:
         assert server.source_key is not None
         options = [f"IdentityFile={server.source_key}", *server.client_options]

@@ -4,7 +4,6 @@ are followed until it ends and the exit code is its verdict."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -14,7 +13,7 @@ import pytest
 import yaml
 
 from muster.cli.local import LocalCluster
-from tests.sshd import Sshd, start_sshd
+from tests.sshd import Sshd, sshd_or_skip
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -40,13 +39,7 @@ def cluster() -> Iterator[LocalCluster]:
 
 @pytest.fixture(scope="module")
 def sshd(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sshd]:
-    server, why_not = start_sshd(tmp_path_factory.mktemp("sshd"), cluster.port, guarded=False)
-    if server is None:
-        if os.environ.get("MUSTER_TEST_REQUIRE_SSH") == "1":
-            pytest.fail(
-                f"an OpenSSH server is required here (MUSTER_TEST_REQUIRE_SSH=1): {why_not}"
-            )
-        pytest.skip(f"no OpenSSH server can run here: {why_not}")
+    server = sshd_or_skip(tmp_path_factory.mktemp("sshd"), cluster.port, guarded=False)
     yield server
     server.stop()
 
