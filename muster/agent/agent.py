@@ -32,6 +32,7 @@ from muster.agent.capture import Line
 from muster.agent.datasource import SshfsSource
 from muster.agent.launcher import MemberRun
 from muster.agent.network import GangNetwork
+from muster.agent.prepare import NotReady, Preparation
 from muster.agent.retention import remove_stale_job_dirs
 from muster.agent.tunnel import SshTunnel
 from muster.client import pinned_ssl_context
@@ -104,6 +105,8 @@ class AgentConfig:
     # `muster join --data-source sshfs://...`: its data root, mounted again before each dial
     # when it went away.
     data_source: SshfsSource | None = None
+    # `muster join`: the GPU gate and the stage directory, checked before each dial.
+    prepare: Preparation | None = None
 
 
 @dataclass
@@ -232,6 +235,9 @@ class Agent:
         while True:
             self.welcomed = False
             try:
+                if self.config.prepare is not None and not self.members:
+                    # (a box re-dialling to report running ranks is past the door)
+                    await asyncio.to_thread(self.config.prepare.check)
                 if self.config.data_source is not None:
                     await asyncio.to_thread(self.config.data_source.ensure)
                 if self.config.tunnel is not None:
@@ -243,6 +249,12 @@ class Agent:
             except AuthRefused as exc:
                 log.error("%s", exc)
                 return 2
+            except NotReady as exc:
+                if not self.config.persist:
+                    log.error("not dialing: %s", exc)
+                    await self._stop_all(str(exc))
+                    return 2
+                reason = f"not ready to walk in: {exc}"
             except WalkInEnded as exc:
                 log.log(logging.INFO if exc.code == 0 else logging.ERROR, "%s", exc)
                 await self._stop_all(str(exc))
@@ -266,7 +278,9 @@ class Agent:
                 await self._stop_all("the control link ended")
                 return 1
             wait = delay * random.uniform(0.8, 1.2)
-            log.warning("control link ended (%s); dialing again in %.0fs", reason, wait)
+            if not reason.startswith("not ready"):
+                reason = f"control link ended ({reason})"
+            log.warning("%s; dialing again in %.0fs", reason, wait)
             await asyncio.sleep(wait)
             delay = min(delay * 2, self.config.backoff[1])
 

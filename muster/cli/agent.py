@@ -20,6 +20,7 @@ from muster.agent.inventory import (
     collect,
     data_signature,
 )
+from muster.agent.prepare import NotReady, Preparation
 from muster.agent.retention import remove_stale_job_dirs
 from muster.agent.tunnel import SshTunnel
 from muster.cli.common import read_secret
@@ -172,6 +173,14 @@ def join(
     if devices is not None and procs is not None:
         raise UserError("--devices and --procs: give one (GPU ranks, or CPU ranks)")
     offered = parse_devices(devices) if devices is not None else None
+    worker_id = name or f"walkin-{roster_name}"
+    work_dir = work_dir or ensure_data_dir() / "agents" / worker_id
+    # The GPU gate and the stage directory: now (a clear error), then before every dial.
+    prepare = Preparation(work_dir, offered)
+    try:
+        prepare.check()
+    except NotReady as exc:
+        raise UserError(str(exc)) from exc
     host_env: dict[str, str] = {}
     data_sig = None
     source = None
@@ -211,7 +220,7 @@ def join(
     serve(
         controller,
         token_file,
-        name or f"walkin-{roster_name}",
+        worker_id,
         python=python,
         work_dir=work_dir,
         advertise_address=advertise_address,
@@ -227,6 +236,7 @@ def join(
         tunnel=tunnel,
         host_env=host_env,
         data_source=source,
+        prepare=prepare,
     )
 
 
@@ -250,6 +260,7 @@ def serve(
     tunnel: SshTunnel | None = None,
     host_env: dict[str, str] | None = None,
     data_source: SshfsSource | None = None,
+    prepare: Preparation | None = None,
 ) -> None:
     """Run an agent until its link ends (or for ever with ``persist``); exits with its code."""
     keep_for = parse_retention(retention, "--retention")
@@ -306,6 +317,7 @@ def serve(
     config.tunnel = tunnel
     config.host_env = dict(host_env or {})
     config.data_source = data_source
+    config.prepare = prepare
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if path_timeout < 30:
         logging.getLogger("muster.agent").warning(

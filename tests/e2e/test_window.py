@@ -6,6 +6,7 @@ roster, node rank r being the r-th box admitted; the walk-ins leave when the job
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -18,6 +19,7 @@ import yaml
 
 from muster.cli.local import LocalCluster
 from muster.client import Client
+from tests.agent.test_prepare import FAKE_SMI
 from tests.e2e.helpers import all_lines, submit, wait_state, write_job
 
 pytestmark = pytest.mark.timeout(600)
@@ -211,6 +213,38 @@ def test_a_walk_in_that_does_not_fit_is_refused_at_the_door_by_name(
     stray = walk_in(cluster, "no-such-job", "stray")
     assert stray.wait(60) == 2
     assert "there is no job no-such-job" in cluster.log("join-stray").read_text()
+    api.cancel(job)
+
+
+def test_a_box_whose_gpus_or_stage_dir_fail_the_gate_never_walks_in(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    api = cluster.client()
+    job = submit(api, window_job(tmp_path, "gate", {"start": "manual"}))
+    smi = tmp_path / "bin" / "nvidia-smi"  # this box's GPUs, as nvidia-smi lists them: 0, 1
+    smi.parent.mkdir()
+    smi.write_text(FAKE_SMI)
+    smi.chmod(0o755)
+    path = f"{smi.parent}:{os.environ['PATH']}"
+    assert cluster.data_dir is not None
+    missing = cluster._spawn(
+        "join-gpu-box",
+        ["join", cluster.url, "--job", job, "--host", "gpu-box", "--devices", "0,3"],
+        env={"MUSTER_TOKEN": cluster.join_token(), "PATH": path},
+    )
+    assert missing.wait(60) == 2
+    log = cluster.log("join-gpu-box").read_text()
+    assert "--devices 0,3: GPU 3 is not on this box (nvidia-smi lists 0,1)" in log
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    stuck = cluster._spawn(
+        "join-stuck-box",
+        ["join", cluster.url, "--job", job, "--host", "stuck", "--work-dir", str(blocker / "w")],
+        env={"MUSTER_TOKEN": cluster.join_token()},
+    )
+    assert stuck.wait(60) == 2
+    assert "takes no writes" in cluster.log("join-stuck-box").read_text()
+    assert api.window(job)["ranks"] == 0  # neither dialled
     api.cancel(job)
 
 

@@ -1,0 +1,100 @@
+"""What a walk-in box checks before each dial (seed 003's "prepare"): the GPUs it offers are
+there, and its stage directory takes writes. A box that fails either would be admitted and
+then fail its ranks once the world formed, holding every other box of the world with it; so
+it does not dial until they pass (``--persist``: it waits and checks again).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from muster.errors import InfrastructureError
+
+SMI_TIMEOUT_S = 20
+STAGE_FREE_MIN = 64 * 1024 * 1024  # a bundle, the ranks' logs, a rendezvous file
+
+
+class NotReady(InfrastructureError):
+    """This box cannot walk in right now; the message names the check and the fix."""
+
+
+def visible_gpus() -> list[int] | None:
+    """The GPU indices nvidia-smi lists (it ignores CUDA_VISIBLE_DEVICES); None without
+    nvidia-smi."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        done = subprocess.run(
+            [smi, "--query-gpu=index", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=SMI_TIMEOUT_S,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise NotReady(f"the GPU gate could not run nvidia-smi: {exc}") from exc
+    return sorted(int(x) for x in done.stdout.split() if x.strip().isdigit())
+
+
+def gpu_gate(offered: Sequence[int], present: list[int] | None) -> str:
+    """Why the GPUs named by ``--devices`` cannot be offered ("" when they can)."""
+    wanted = ",".join(map(str, offered))
+    if not present:
+        return (
+            f"--devices {wanted}: this box has no GPU nvidia-smi can see; offer CPU ranks "
+            "with --procs N instead"
+        )
+    missing = [d for d in offered if d not in present]
+    if missing:
+        return (
+            f"--devices {wanted}: GPU {','.join(map(str, missing))} is not on this box "
+            f"(nvidia-smi lists {','.join(map(str, present))}); list only those"
+        )
+    return ""
+
+
+def stage_dir_problem(path: Path, free_min: int = STAGE_FREE_MIN) -> str:
+    """Why ``path`` cannot hold a job's stage (its bundle, logs and outputs): "" when it can."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".muster-write-check-") as fh:
+            fh.write(b"muster")
+            fh.flush()
+            os.fsync(fh.fileno())
+        free = shutil.disk_usage(path).free
+    except OSError as exc:
+        return (
+            f"the stage directory {path} takes no writes ({exc.strerror or exc}); "
+            "free it, fix its permissions or pass --work-dir"
+        )
+    if free < free_min:
+        return (
+            f"the stage directory {path} has {free // (1024 * 1024)} MiB free (under "
+            f"{free_min // (1024 * 1024)} MiB); free space there or pass --work-dir"
+        )
+    return ""
+
+
+@dataclass
+class Preparation:
+    """The checks of one walk-in box, run before every dial."""
+
+    stage_dir: Path
+    devices: list[int] | None = None  # --devices, when given
+
+    def check(self) -> None:
+        """Raise NotReady naming the first check that fails."""
+        if self.devices is not None:
+            problem = gpu_gate(self.devices, visible_gpus())
+            if problem:
+                raise NotReady(problem)
+        problem = stage_dir_problem(self.stage_dir)
+        if problem:
+            raise NotReady(problem)
