@@ -7,8 +7,10 @@ offers a walk-in to another job. When the window forms, the roster becomes the g
 rank r is the r-th admitted walk-in, and the job runs as any placed gang from there on. A
 walk-in refused at the door, or whose job has ended, hears it in a JOIN_REPLY and leaves.
 
-Windows live in the controller's memory: after a controller restart a window opens afresh
-(its clock too) and walk-ins that dial again (``--persist``) are admitted again.
+A window's roster lives in the controller's memory, its clock in the store (the job's
+WindowOpened event): after a controller restart the window opens again with the clock it had
+(the join timeout and hard cap still run from the first opening), and walk-ins that dial
+again (``--persist``) are admitted again, in the order they come back.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from muster.membership.window import (
 from muster.scheduler import Placement, Unplaceable, place_gang
 from muster.spec import JobSpec, JobState, WorkerInventory, WorkerState, WorkerView
 from muster.spec.job import JoinWindow
-from muster.store.writes import JobStateWrite
+from muster.store.writes import EventWrite, JobStateWrite
 from muster.wire import Kind
 
 if TYPE_CHECKING:
@@ -256,7 +258,7 @@ class WindowDesk:
                 continue
             entry = self.entries.get(job)
             if entry is None:
-                entry = self.entries[job] = open_entry(job, spec, bundles.get(job), at)
+                entry = self.entries[job] = await self._open(job, spec, bundles.get(job), at)
             on_rosters = {m.worker for e in self.entries.values() for m in e.window.roster}
             mine = [i for i in idle if i.join and i.join.job == job]
             # A walk-in for any job goes to the oldest open window that takes it.
@@ -272,6 +274,24 @@ class WindowDesk:
             if wanted is not None and wanted not in windowed and inventory.id not in self.told:
                 await self._not_open(inventory)
         return reasons
+
+    async def _open(self, job: str, spec: JobSpec, bundle: str | None, at: float) -> WindowEntry:
+        """The job's window: its clock runs from when it first opened, as recorded, so a
+        controller restart neither restarts the join timeout nor lifts the hard cap."""
+        opened = await self.c.db(self.c.store.window_opened_at, job)
+        if opened is not None and opened <= at:
+            log.info(
+                "job %s: its join window opened %.0fs ago; its roster forms anew", job, at - opened
+            )
+            return open_entry(job, spec, bundle, opened)
+        entry = open_entry(job, spec, bundle, at)
+        rules = entry.window.rules
+        said = f"join window open: start {rules.start}, quorum {rules.quorum}"
+        if rules.target is not None:
+            said += f", target {rules.target}"
+        said += f", timeout {rules.join_timeout:.0f}s, hard cap {rules.max_join_timeout:.0f}s"
+        self.c.writer.submit([EventWrite("WindowOpened", said, job, data={"opened_at": at})])
+        return entry
 
     async def _free(self, inventory: WorkerInventory) -> bool:
         """Whether a walk-in for any job is free for a window: it serves no run whose end it

@@ -100,6 +100,21 @@ class RecordRepository(Repository):
                 query = query.where(Event.job_id == job_id)
             return list(s.scalars(query))
 
+    def window_opened_at(self, job_id: str) -> float | None:
+        """When the join window of ``job_id`` opened (epoch seconds), as its WindowOpened
+        event says; None when none has, or an epoch was fenced since (a new window)."""
+        with self.db.read() as s:
+            row = s.execute(
+                select(Event.kind, Event.data)
+                .where(Event.job_id == job_id, Event.kind.in_(("WindowOpened", "EpochFenced")))
+                .order_by(Event.id.desc())
+                .limit(1)
+            ).first()
+        if row is None or row[0] != "WindowOpened":
+            return None
+        opened = (row[1] or {}).get("opened_at")
+        return float(opened) if isinstance(opened, (int, float)) else None
+
     def set_condition(
         self, job_id: str, type_: str, status: bool | None, reason: str, message: str
     ) -> None:

@@ -21,7 +21,7 @@ from muster.controller.windows import (
 )
 from muster.errors import BadRequest
 from muster.membership.window import Join, step
-from muster.spec import NetworkCaps, PathClass, WorkerInventory, WorkerView, parse_job
+from muster.spec import JobState, NetworkCaps, PathClass, WorkerInventory, WorkerView, parse_job
 from muster.spec.worker import WalkIn
 from muster.wire import Kind
 
@@ -139,6 +139,10 @@ class FakeController:
     def job(self, job_id: str) -> FakeRecord:
         return self.record
 
+    def window_opened_at(self, job_id: str) -> float | None:  # from the events written
+        opened = [w.data["opened_at"] for w in self.written if w.kind == "WindowOpened"]
+        return opened[-1] if opened else None
+
     def set_job_spec(self, job_id: str, spec: dict[str, Any]) -> None:
         self.record.spec = spec
 
@@ -235,3 +239,24 @@ def test_a_box_that_could_not_share_a_path_with_the_others_is_refused_at_the_doo
     assert [m.host for m in desk.entries["walk-1"].window.roster] == ["near"]
     told = replies(ctl, far.id)[-1]
     assert "with far the boxes in could not form one gang" in told["reason"]
+
+
+def test_a_restarted_controller_keeps_the_windows_clock_and_hard_cap() -> None:
+    rules = {"start": "manual", "quorum": 2, "join_timeout": 30, "max_join_timeout": 60}
+    desk, ctl, boxes = desk_with("a", **rules)
+    opened = desk.entries["walk-1"].window.opened_at
+    assert [w.kind for w in ctl.written] == ["WindowOpened"]
+    restarted = WindowDesk(ctl)  # type: ignore[arg-type]  # the same store, a new process
+    views = [WorkerView(inventory=boxes[0])]
+    asyncio.run(restarted.run_pass({"walk-1": spec(**rules)}, {}, views))
+    entry = restarted.entries["walk-1"]
+    assert entry.window.opened_at == opened  # not the restart's time
+    assert [m.host for m in entry.window.roster] == ["a"]  # the box that dialled again
+    assert [w.kind for w in ctl.written] == ["WindowOpened"]  # not opened twice
+    # Past the hard cap counted from the first opening, the next pass fails it.
+    ctl.written[0] = dataclasses.replace(ctl.written[0], data={"opened_at": opened - 61})
+    late = WindowDesk(ctl)  # type: ignore[arg-type]
+    asyncio.run(late.run_pass({"walk-1": spec(**rules)}, {}, views))
+    assert "walk-1" not in late.entries
+    failed = [w for w in ctl.written if getattr(w, "state", None) is JobState.FAILED]
+    assert len(failed) == 1

@@ -7,6 +7,7 @@ roster, node rank r being the r-th box admitted; the walk-ins leave when the job
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -149,6 +150,30 @@ def test_a_manual_window_holds_two_walk_ins_until_muster_start_then_trains(
     after = muster(cluster, "status", job)  # the roster that formed stays on show
     assert f"{job}: window done (job succeeded)" in after.stdout
     assert "box-b" in after.stdout
+
+
+def test_a_window_outlives_a_controller_restart_with_its_clock(tmp_path: Path) -> None:
+    with LocalCluster(agents=0, heartbeat_interval=1.0, heartbeat_timeout=5.0) as own:
+        api = own.client()
+        window = {"start": "manual", "quorum": 2, "max_join_timeout": "10m"}
+        job = submit(api, window_job(tmp_path, "restart", window))
+        first = walk_in(own, job, "box-a", "--persist")
+        opened = wait_window(api, job, "waiting", ranks=1)["opened_at"]
+        own.stop("server", signal.SIGKILL)
+        own.start_server()
+        # box-a dials again (5 s back-off) and is on the roster again; the clock did not
+        # start over (nor did the hard cap).
+        view = wait_window(api, job, "waiting", ranks=1, timeout=60)
+        assert view["opened_at"] == opened
+        assert [m["host"] for m in view["roster"]] == ["box-a"]
+        second = walk_in(own, job, "box-b")
+        wait_window(api, job, "staging", ranks=2)
+        started = muster(own, "start", job)
+        assert started.returncode == 0, started.stderr
+        done = wait_state(api, job)
+        assert done["state"] == "succeeded", done["root_cause"]
+        assert first.wait(60) == 0
+        assert second.wait(60) == 0
 
 
 def test_an_auto_window_forms_the_moment_its_target_is_in(

@@ -310,3 +310,15 @@ def test_group_commit_keeps_order_and_a_refused_write_spoils_nothing(store: Stor
     assert {w.id: w.state for w in store.workers()}[ids[1]] is WorkerState.IDLE
     kinds = [e.kind for e in store.events(job)]
     assert kinds.index("JobRendezvous") < kinds.index("Assigned") < kinds.index("Note")
+
+
+def test_a_window_keeps_its_opening_time_until_an_epoch_is_fenced(store: Store) -> None:
+    job = store.submit_job(gang(2)).id
+    assert store.window_opened_at(job) is None
+    store.record_event("WindowOpened", "join window open", job=job, data={"opened_at": 1000.5})
+    store.record_event("WalkedIn", "a box", job=job)  # other events do not hide it
+    assert store.window_opened_at(job) == 1000.5
+    store.record_event("EpochFenced", "placing the gang again", job=job)
+    assert store.window_opened_at(job) is None  # the next window is a new one
+    store.record_event("WindowOpened", "join window open", job=job, data={"opened_at": 2000.0})
+    assert store.window_opened_at(job) == 2000.0
