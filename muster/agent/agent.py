@@ -235,11 +235,12 @@ class Agent:
         while True:
             self.welcomed = False
             try:
+                if self.config.data_source is not None:
+                    await asyncio.to_thread(self.config.data_source.ensure)
                 if self.config.prepare is not None and not self.members:
                     # (a box re-dialling to report running ranks is past the door)
                     await asyncio.to_thread(self.config.prepare.check)
-                if self.config.data_source is not None:
-                    await asyncio.to_thread(self.config.data_source.ensure)
+                    self.inventory = self.config.prepare.stamp(self.inventory)
                 if self.config.tunnel is not None:
                     await self.config.tunnel.open()
                     scheme = urlparse(self.config.controller).scheme or "http"

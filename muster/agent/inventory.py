@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
 import ipaddress
 import json
 import shutil
 import socket
 import subprocess
-from pathlib import Path
 from urllib.parse import urlparse
 
 import psutil
@@ -153,17 +151,3 @@ def collect(
         network=network_caps(address, private_network, interface, device),
         labels=labels or {},
     )
-
-
-def data_signature(root: Path) -> str:
-    """sha256 of the manifest of every file under ``root``: its path, size and the sha256 of
-    its content, in path order. Two boxes with the same signature hold the same data."""
-    manifest = hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        digest = hashlib.sha256()
-        with open(path, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                digest.update(block)
-        line = f"{path.relative_to(root).as_posix()}\t{path.stat().st_size}\t{digest.hexdigest()}\n"
-        manifest.update(line.encode())
-    return manifest.hexdigest()

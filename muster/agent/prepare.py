@@ -1,7 +1,8 @@
 """What a walk-in box checks before each dial (seed 003's "prepare"): the GPUs it offers are
-there, and its stage directory takes writes. A box that fails either would be admitted and
-then fail its ranks once the world formed, holding every other box of the world with it; so
-it does not dial until they pass (``--persist``: it waits and checks again).
+there, its stage directory takes writes, and its data signature is of the data as it is now.
+A box that fails a check would be admitted and then fail its ranks once the world formed,
+holding every other box of the world with it; so it does not dial until they pass
+(``--persist``: it waits and checks again).
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from muster.agent.datasig import data_signature
 from muster.errors import InfrastructureError
+from muster.spec import WorkerInventory
 
 SMI_TIMEOUT_S = 20
 STAGE_FREE_MIN = 64 * 1024 * 1024  # a bundle, the ranks' logs, a rendezvous file
@@ -88,6 +91,8 @@ class Preparation:
 
     stage_dir: Path
     devices: list[int] | None = None  # --devices, when given
+    data_path: Path | None = None  # --data-path, when given
+    data_sig: str | None = None  # its signature at the last check
 
     def check(self) -> None:
         """Raise NotReady naming the first check that fails."""
@@ -98,3 +103,19 @@ class Preparation:
         problem = stage_dir_problem(self.stage_dir)
         if problem:
             raise NotReady(problem)
+        if self.data_path is not None:
+            if not self.data_path.is_dir():
+                raise NotReady(f"--data-path {self.data_path} is not a directory this box can read")
+            try:
+                self.data_sig = data_signature(self.data_path, self.stage_dir / ".data-sig")
+            except OSError as exc:
+                raise NotReady(f"--data-path {self.data_path}: cannot read it ({exc})") from exc
+
+    def stamp(self, inventory: WorkerInventory) -> WorkerInventory:
+        """The walk-in's offer with the data signature of the last check."""
+        join = inventory.join
+        if join is None or self.data_path is None or join.data_sig == self.data_sig:
+            return inventory
+        return inventory.model_copy(
+            update={"join": join.model_copy(update={"data_sig": self.data_sig})}
+        )

@@ -14,12 +14,7 @@ import typer
 
 from muster.agent.agent import Agent, AgentConfig
 from muster.agent.datasource import SshfsSource
-from muster.agent.inventory import (
-    advertise_address_for,
-    check_interface,
-    collect,
-    data_signature,
-)
+from muster.agent.inventory import advertise_address_for, check_interface, collect
 from muster.agent.prepare import NotReady, Preparation
 from muster.agent.retention import remove_stale_job_dirs
 from muster.agent.tunnel import SshTunnel
@@ -175,14 +170,7 @@ def join(
     offered = parse_devices(devices) if devices is not None else None
     worker_id = name or f"walkin-{roster_name}"
     work_dir = work_dir or ensure_data_dir() / "agents" / worker_id
-    # The GPU gate and the stage directory: now (a clear error), then before every dial.
-    prepare = Preparation(work_dir, offered)
-    try:
-        prepare.check()
-    except NotReady as exc:
-        raise UserError(str(exc)) from exc
     host_env: dict[str, str] = {}
-    data_sig = None
     source = None
     if data_source is not None:
         if data_path is None:
@@ -195,11 +183,15 @@ def join(
         )
         source.ensure()  # before the signature: it is of the mounted files
     if data_path is not None:
-        if not data_path.is_dir():
-            raise UserError(f"--data-path {data_path} is not a directory this box can read")
         data_path = data_path.resolve()
-        data_sig = data_signature(data_path)
         host_env["MUSTER_DATA_PATH"] = str(data_path)
+    # The GPU gate, the stage directory and the data's signature: now (a clear error), then
+    # again before every dial.
+    prepare = Preparation(work_dir, offered, data_path)
+    try:
+        prepare.check()
+    except NotReady as exc:
+        raise UserError(str(exc)) from exc
     if gpu_ram_share is not None:
         host_env["MUSTER_GPU_RAM_SHARE"] = f"{gpu_ram_share:g}"
     if offered is not None:
@@ -231,7 +223,12 @@ def join(
         path_timeout=60.0,
         grace=grace,
         retention="0",
-        walk_in=(job, roster_name, len(offered) if offered is not None else procs, data_sig),
+        walk_in=(
+            job,
+            roster_name,
+            len(offered) if offered is not None else procs,
+            prepare.data_sig,
+        ),
         backoff=(5.0, 60.0),
         tunnel=tunnel,
         host_env=host_env,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import socket
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 from muster.agent.agent import Agent, AgentConfig
 from muster.agent.prepare import NotReady, Preparation, gpu_gate, stage_dir_problem, visible_gpus
 from muster.spec import WorkerInventory
+from muster.spec.worker import WalkIn
 
 FAKE_SMI = """#!/bin/sh
 # nvidia-smi as a box with GPUs 0 and 1 answers the queries muster makes
@@ -125,3 +127,23 @@ def test_a_persistent_box_checks_again_before_every_dial(
     said = caplog.text
     assert said.count("not ready to walk in: --devices 3") == 2
     assert "control link ended" in said  # it dialled once the checks passed
+
+
+def test_a_box_whose_data_changed_between_dials_offers_the_new_signature(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "0.bin").write_text("first")
+    prepare = Preparation(tmp_path / "stage", data_path=data)
+    prepare.check()
+    before = prepare.data_sig
+    offer = WorkerInventory(
+        id="walkin-box", hostname="box", join=WalkIn(host="box", ranks=1, data_sig=before)
+    )
+    assert prepare.stamp(offer) is offer
+    (data / "1.bin").write_text("a shard added for the next run")
+    prepare.check()
+    assert prepare.data_sig != before
+    assert prepare.stamp(offer).join.data_sig == prepare.data_sig  # type: ignore[union-attr]
+    shutil.rmtree(data)  # the data root went away
+    with pytest.raises(NotReady, match="is not a directory"):
+        prepare.check()
