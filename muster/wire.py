@@ -28,6 +28,13 @@ Handshake (the join secret never crosses the wire):
     session key = HMAC(join secret, "muster-session\\0" || cnonce || anonce)
 The ``ticket`` is a random bearer secret for this session's HTTP calls (bundle download,
 artifact upload); it dies with the link.
+
+Open admission (a window job with ``open_admission: true``; seed 003): a walk-in without the
+join secret sends AUTH {worker_id: "open-<job>-<host>", nonce, open_job} and no proof; when
+that job's window is open and takes such boxes, the controller answers ADMIT {salt: 32 random
+bytes, hex} in the clear, and the salt stands in for the join secret in the session key and
+both proofs. Anyone who reads the wire then holds the session: that is why the option is only
+for a trusted network (or TLS), and why such a link may do nothing but walk in to that job.
 """
 
 from __future__ import annotations
@@ -59,6 +66,9 @@ class Kind(IntEnum):
     CHALLENGE = 1  # C->A, first frame on a new link: {nonce}
     AUTH = 2  # A->C, answer to CHALLENGE: {worker_id, nonce, proof}
     WELCOME = 3  # C->A, secret proven: {proof, ticket, heartbeat_interval, heartbeat_timeout}
+    # C->A, plain, to an AUTH {worker_id, nonce, open_job} without proof that a window with
+    # open_admission takes: {salt}, which stands in for the join secret from here on
+    ADMIT = 4
     # A->C, after WELCOME and when a member ends: {inventory, running: [job ids], members:
     # [{job, epoch, node_rank, exit_code (null: alive), signal}]}; the first of a link is
     # what the agent still holds (muster.gang.LinkBack)
@@ -107,6 +117,15 @@ class Kind(IntEnum):
     JOIN_REPLY = 60
 
 
+OPEN_PREFIX = "open-"  # the worker ids of links admitted without the join secret
+
+
+def open_worker_id(job: str, host: str) -> str:
+    """The worker id of a walk-in admitted to ``job`` without the join secret: a name muster
+    gives no agent that holds the secret, so an open link never takes one's place."""
+    return f"{OPEN_PREFIX}{job}-{host}"
+
+
 class FrameRefused(MusterError):
     """A frame failed a check; ``reason`` is malformed, forged or replayed."""
 
@@ -149,7 +168,7 @@ def proofs_match(a: str, b: str) -> bool:
 
 
 def encode_plain(kind: Kind, body: dict[str, Any]) -> bytes:
-    """A handshake frame (CHALLENGE, AUTH): seq 0, no MAC."""
+    """A handshake frame (CHALLENGE, AUTH, ADMIT): seq 0, no MAC."""
     payload = orjson.dumps(body)
     return HEADER.pack(VERSION, kind, 0, len(payload)) + payload + ZERO_MAC
 

@@ -107,6 +107,9 @@ class AgentConfig:
     data_source: SshfsSource | None = None
     # `muster join`: the GPU gate and the stage directory, checked before each dial.
     prepare: Preparation | None = None
+    # `muster join --open-admission`: no join secret (``token`` is empty); this job's window
+    # admits the box (its worker id is then open-<job>-<host>).
+    open_job: str | None = None
 
 
 @dataclass
@@ -307,20 +310,9 @@ class Agent:
             first = await asyncio.wait_for(ws.recv(), 10)
             challenge = wire.decode_plain(_bytes(first), Kind.CHALLENGE)
             cnonce, anonce = wire.new_nonce(), str(challenge["nonce"])
-            await ws.send(
-                wire.encode_plain(
-                    Kind.AUTH,
-                    {
-                        "worker_id": self.config.worker_id,
-                        "nonce": cnonce,
-                        "proof": wire.auth_proof(
-                            self.config.token, cnonce, anonce, self.config.worker_id
-                        ),
-                    },
-                )
-            )
+            secret = await self._authenticate(ws, cnonce, anonce)
             codec = wire.LinkCodec(
-                wire.session_key(self.config.token, cnonce, anonce),
+                wire.session_key(secret, cnonce, anonce),
                 send=wire.TO_CONTROLLER,
                 receive=wire.TO_AGENT,
             )
@@ -337,7 +329,7 @@ class Agent:
                 raise LinkRefused(f"the controller refused: {welcome.body.get('message')}")
             if welcome.kind is not Kind.WELCOME or not wire.proofs_match(
                 str(welcome.body.get("proof", "")),
-                wire.server_proof(self.config.token, cnonce, anonce),
+                wire.server_proof(secret, cnonce, anonce),
             ):
                 raise AuthRefused("the controller could not prove it holds the join secret")
             self.codec, self.ws = codec, ws
@@ -373,6 +365,32 @@ class Agent:
                 for task in tasks:
                     task.cancel()
                 self.codec = self.ws = None
+
+    async def _authenticate(self, ws: ClientConnection, cnonce: str, anonce: str) -> str:
+        """Send AUTH; returns the secret the session key comes from: the join secret, or
+        with open admission the salt the controller handed out."""
+        worker = self.config.worker_id
+        job = self.config.open_job
+        if job is None:
+            proof = wire.auth_proof(self.config.token, cnonce, anonce, worker)
+            body = {"worker_id": worker, "nonce": cnonce, "proof": proof}
+            await ws.send(wire.encode_plain(Kind.AUTH, body))
+            return self.config.token
+        body = {"worker_id": worker, "nonce": cnonce, "open_job": job}
+        await ws.send(wire.encode_plain(Kind.AUTH, body))
+        try:
+            admit = wire.decode_plain(_bytes(await asyncio.wait_for(ws.recv(), 10)), Kind.ADMIT)
+        except websockets.exceptions.ConnectionClosed as exc:
+            said = (
+                f"job {job} has no open join window that admits boxes without the join "
+                "string (open_admission); walk in with --token-file instead"
+            )
+            if self.config.persist:  # its window may not be open yet
+                raise LinkRefused(said) from exc
+            raise AuthRefused(said) from exc
+        except (FrameRefused, KeyError) as exc:
+            raise AuthRefused(f"the controller's ADMIT failed its check: {exc}") from exc
+        return str(admit["salt"])
 
     async def _after_welcome(self, tasks: list[asyncio.Task[None]]) -> None:
         """Reports the last link missed, what this agent holds, the unacked log batches;

@@ -28,6 +28,7 @@ from muster.spec import MESH_INTERFACE, WorkerInventory
 from muster.spec.cluster import ssh_option_problem
 from muster.spec.worker import WalkIn
 from muster.store import ensure_data_dir
+from muster.wire import open_worker_id
 
 
 @app.command()
@@ -157,10 +158,25 @@ def join(
     ssh_option: list[str] = typer.Option(
         [], "--ssh-option", help="an ssh -o option, Key=Value (repeatable)"
     ),
+    open_admission: bool = typer.Option(
+        False,
+        "--open-admission",
+        help="walk in without the join string: only to a --job whose window has "
+        "open_admission: true (a network you trust entirely)",
+    ),
+    tls_fingerprint: str = typer.Option(
+        None,
+        help="with --open-admission over https: the controller certificate's sha256 (the "
+        "part of `muster token` after the dot) [the system's CAs]",
+    ),
 ) -> None:
     """Walk in to a job's join window: offer this box's ranks, run its part once the world
     forms, and leave when the job ends."""
     roster_name = host or socket.gethostname()
+    if open_admission and job is None:
+        raise UserError("--open-admission needs --job: the job whose window is open to all")
+    if tls_fingerprint is not None and not open_admission:
+        raise UserError("--tls-fingerprint is for --open-admission (the join string has it)")
     for option in ssh_option:  # for --ssh and --data-source alike
         problem = ssh_option_problem(option)
         if problem:
@@ -169,6 +185,8 @@ def join(
         raise UserError("--devices and --procs: give one (GPU ranks, or CPU ranks)")
     offered = parse_devices(devices) if devices is not None else None
     worker_id = name or f"walkin-{roster_name}"
+    if open_admission:  # the only names such a link may have
+        worker_id = open_worker_id(job, name or roster_name)
     work_dir = work_dir or ensure_data_dir() / "agents" / worker_id
     host_env: dict[str, str] = {}
     source = None
@@ -234,6 +252,7 @@ def join(
         host_env=host_env,
         data_source=source,
         prepare=prepare,
+        open_to=(job, tls_fingerprint) if open_admission else None,
     )
 
 
@@ -258,15 +277,25 @@ def serve(
     host_env: dict[str, str] | None = None,
     data_source: SshfsSource | None = None,
     prepare: Preparation | None = None,
+    open_to: tuple[str, str | None] | None = None,
 ) -> None:
-    """Run an agent until its link ends (or for ever with ``persist``); exits with its code."""
+    """Run an agent until its link ends (or for ever with ``persist``); exits with its code.
+    ``open_to`` (job, certificate fingerprint): walk in to that job without the join string."""
     keep_for = parse_retention(retention, "--retention")
     url = controller_url(controller)
     token = read_secret(token_file, "MUSTER_TOKEN", "the join string")
+    if open_to is not None:
+        if token is not None:
+            raise UserError(
+                "--open-admission walks in without the join string: drop --token-file "
+                "(or unset MUSTER_TOKEN)"
+            )
+        token = "" if open_to[1] is None else f".sha256:{open_to[1].removeprefix('sha256:')}"
     if token is None:
+        also = " (or --open-admission, to a window open to all)" if walk_in else ""
         raise UserError(
             "no join string: put what `muster token` prints on the controller in a file "
-            "(chmod 600) and pass --token-file, or set MUSTER_TOKEN"
+            f"(chmod 600) and pass --token-file, or set MUSTER_TOKEN{also}"
         )
     # The ranks this agent starts never see it (muster.plan.env scrubs it too).
     os.environ.pop("MUSTER_TOKEN", None)
@@ -315,6 +344,7 @@ def serve(
     config.host_env = dict(host_env or {})
     config.data_source = data_source
     config.prepare = prepare
+    config.open_job = open_to[0] if open_to is not None else None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if path_timeout < 30:
         logging.getLogger("muster.agent").warning(

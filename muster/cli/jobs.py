@@ -29,6 +29,14 @@ def submit(
     api = client(controller, token_file)
     job = api.submit_with_bundle(spec, (job_file.parent / spec.workdir).resolve())
     err.print(f"submitted {job['id']}", markup=False)
+    window = spec.gang.window
+    if spec.gang.membership == "window" and window is not None and window.open_admission:
+        err.print(
+            f"[yellow]warning:[/] job {job['id']} has open_admission: any box that reaches "
+            "the controller walks in without the join string (muster join --open-admission), "
+            "runs this job's code and joins its world; use it only on a network you trust "
+            "entirely"
+        )
     out.print(job["id"], markup=False)
     if follow:
         state = follow_logs(api, job["id"])

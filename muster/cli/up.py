@@ -43,10 +43,16 @@ def describe(cluster: ClusterFile) -> None:
         f"join_timeout {join.join_timeout}s, max_join_timeout {join.max_join_timeout}s; "
         f"configured ranks {ranks}"
     )
-    if join.open_admission and not ctl.host.startswith(LOOPBACK):
+    if join.open_admission:
+        reach = (
+            "any user of this machine (and any ssh tunnel to it)"
+            if ctl.host.startswith(LOOPBACK)
+            else "any peer that reaches this port"
+        )
         err.print(
-            f"[yellow]warning:[/] open_admission on {ctl.host}: any peer that reaches this port "
-            "can join (and so influence) the run; use it only on a fully trusted network"
+            f"[yellow]warning:[/] open_admission on {ctl.host}: {reach} can walk in without "
+            "the join string (muster join --open-admission) and join, and so influence, the "
+            "run; use it only on a network you trust entirely"
         )
     table = Table(box=None, pad_edge=False)
     for column in ("HOST", "RANKS", "DEVICES", "INTERFACE", "PATH", "DATA"):

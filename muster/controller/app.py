@@ -143,6 +143,7 @@ def create_app(config: ControllerConfig) -> FastAPI:
             tickets,
             config.heartbeat_interval,
             config.heartbeat_timeout,
+            open_to=controller.open_to,
         )
         if link is None:
             return

@@ -9,6 +9,9 @@
     ticket          one agent's live link    that agent's own HTTP calls: download the bundle
                                              of a job it is placed in, upload its member's
                                              outputs; it dies with the link
+    (none)          a box walking in to a    a control link named open-JOB-HOST that may only
+                    window with               offer itself to JOB's window (then run its part);
+                    open_admission            see muster.wire and Controller.open_to
 
 On loopback without TLS the user routes are open (one machine, one user: the demo);
 whenever TLS is on or the bind is off loopback they want the API token. The agent routes

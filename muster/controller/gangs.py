@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 from muster.controller.auth import Tickets
 from muster.controller.ingest import LogIngest
-from muster.controller.links import Link, LinkEnded
+from muster.controller.links import CLOSE_REFUSED, Link, LinkEnded
 from muster.controller.metrics import Metrics
 from muster.controller.runs import JoinKeys, RunEntry, rebuild_run
 from muster.controller.windows import WindowDesk
@@ -95,7 +95,7 @@ from muster.store.writes import (
     WorkerStateWrite,
     Write,
 )
-from muster.wire import Frame, Kind
+from muster.wire import Frame, Kind, open_worker_id
 
 log = logging.getLogger("muster.controller")
 T = TypeVar("T")
@@ -120,6 +120,7 @@ IDLE_PASS_EVERY_S = 5.0  # with nothing asked, a pass (why-pending, gauges) this
 # often: its counts move on nearly every pass, and writing ~1,000 of them each pass cost
 # more than the placement.
 WHY_PENDING_REFRESH_S = 2.0
+OPEN_LINKS_MAX = 256  # links admitted without the join secret (open_admission), all jobs
 
 
 class Controller:
@@ -401,9 +402,13 @@ class Controller:
                     f"(timeout {self.heartbeat_timeout:.0f}s)",
                 )
                 # Closing a silent peer takes a moment: not in the supervision loop.
-                task = asyncio.create_task(_close_quietly(link))
-                self._closing.add(task)
-                task.add_done_callback(self._closing.discard)
+                self.close_later(link, 1011)
+
+    def close_later(self, link: Link, code: int) -> None:
+        """Close ``link`` in its own task: its flush may take a second, not under the lock."""
+        task = asyncio.create_task(link.close(code))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     async def _tick_runs(self) -> None:
         """Job timeouts and the grace after a restart are the runs' clock; a join window
@@ -823,6 +828,16 @@ class Controller:
         if inventory.id != link.worker_id:
             await link.send(Kind.ERROR, {"message": "inventory id differs from the link's"})
             return None
+        if link.open_job is not None and (
+            inventory.join is None or inventory.join.job != link.open_job
+        ):
+            # Admitted without the join secret to one window: it walks in there or nowhere.
+            await link.send(
+                Kind.ERROR,
+                {"message": f"this link was admitted to job {link.open_job}'s window only"},
+            )
+            self.close_later(link, CLOSE_REFUSED)
+            return None
         worker = link.worker_id
         link.walk_in = inventory.join is not None
         reports = tuple(_report(r) for r in body.get("members") or [])
@@ -887,6 +902,23 @@ class Controller:
                 return
         await written  # the caller reads the job back: the cancel is on record first
 
+    def open_to(self, job: str, worker_id: str) -> str:
+        """Why a walk-in without the join secret may not dial in to ``job`` ("" when it
+        may): the job's window is open and has ``open_admission``, the worker id is one
+        of that job's open ids, and there are fewer than OPEN_LINKS_MAX such links."""
+        entry = self.windows.entries.get(job)
+        window = entry.spec.gang.window if entry is not None else None
+        if entry is None or window is None or not window.open_admission:
+            return f"job {job} has no open join window with open_admission"
+        if not entry.window.phase.open:
+            return f"the join window of job {job} has closed"
+        host = worker_id.removeprefix(open_worker_id(job, ""))
+        if host == worker_id or not host or len(worker_id) > 128:
+            return f"an open walk-in to job {job} is named {open_worker_id(job, 'HOST')}"
+        if sum(1 for link in self.links.values() if link.open_job) >= OPEN_LINKS_MAX:
+            return f"{OPEN_LINKS_MAX} boxes without the join secret are connected already"
+        return ""
+
     async def link_up(self, link: Link) -> bool:
         """Register an authenticated link; False when that worker id is already connected."""
         if link.worker_id in self.links:
@@ -938,10 +970,6 @@ class Controller:
                 ]
             )
         self.request_pass()
-
-
-async def _close_quietly(link: Link) -> None:
-    await link.close(1011)
 
 
 def _exited(node: int, body: dict[str, Any]) -> MemberExited:

@@ -54,6 +54,9 @@ class Link:
         self.close_code: int | None = None
         self.reported = False  # its first INVENTORY (what the agent still runs) was handled
         self.walk_in = False  # its inventory names a job's window (muster join)
+        # Admitted without the join secret to this job's window (open_admission): it may
+        # only walk in to that job.
+        self.open_job: str | None = None
         self.welcome: dict[str, Any] = {}  # the WELCOME body, sent once the link is registered
         self.logs_queued = 0  # its LOGS frames waiting for the ingest task
         # Frames that need the controller's lock wait here, in their order, for the link's
@@ -144,8 +147,13 @@ async def handshake(
     tickets: Tickets,
     heartbeat_interval: float,
     heartbeat_timeout: float,
+    open_to: Callable[[str, str], str] | None = None,
 ) -> Link | None:
     """Challenge the agent to prove it holds the join secret; None (link closed) if not.
+
+    ``open_to(job, worker_id)`` answers an AUTH without proof that asks for open admission
+    to ``job``: "" when that job's window takes it (the link is then admitted for that job
+    alone, see muster.wire), else why not.
 
     Whatever goes wrong before the proof (garbage, a peer that hangs up, a slow one) is
     counted and logged in one line; the listener goes on serving.
@@ -160,7 +168,9 @@ async def handshake(
         if len(data) > PRE_AUTH_MAX_BYTES:
             raise FrameRefused("malformed", f"{len(data)} bytes before authentication")
         body = wire.decode_plain(data, Kind.AUTH)
-        worker_id, cnonce, proof = str(body["worker_id"]), str(body["nonce"]), str(body["proof"])
+        worker_id, cnonce = str(body["worker_id"]), str(body["nonce"])
+        open_job = body.get("open_job")
+        proof = "" if open_job is not None else str(body["proof"])
     except (
         TimeoutError,
         FrameRefused,
@@ -173,19 +183,42 @@ async def handshake(
         log.warning("refused a control link: bad handshake (%s: %s)", type(exc).__name__, exc)
         await _close(ws, CLOSE_AUTH_FAILED)
         return None
-    if not wire.proofs_match(proof, wire.auth_proof(join_secret, cnonce, anonce, worker_id)):
+    secret = join_secret
+    if open_job is not None:
+        why = (
+            open_to(str(open_job), worker_id)
+            if open_to is not None
+            else "this controller admits no box without the join secret"
+        )
+        if why:
+            metrics.frames_refused.labels("auth").inc()
+            log.warning("refused open admission to %r: %s", worker_id[:64], why[:200])
+            await _close(ws, CLOSE_AUTH_FAILED)
+            return None
+        secret = wire.new_nonce()  # the salt: the session's secret, sent in the clear
+        try:
+            await ws.send_bytes(wire.encode_plain(Kind.ADMIT, {"salt": secret}))
+        except (WebSocketDisconnect, RuntimeError, OSError):
+            return None
+        log.warning(
+            "admitted %s to job %s without the join secret (the window's open_admission)",
+            worker_id,
+            open_job,
+        )
+    elif not wire.proofs_match(proof, wire.auth_proof(join_secret, cnonce, anonce, worker_id)):
         metrics.frames_refused.labels("auth").inc()
         log.warning("refused a control link from %r: wrong join secret", worker_id[:64])
         await _close(ws, CLOSE_AUTH_FAILED)
         return None
     # Proven: lift the cap before WELCOME, as the agent's next frames follow it at once.
     limit_message_size(ws, LINK_MAX_BYTES)
-    key = wire.session_key(join_secret, cnonce, anonce)
+    key = wire.session_key(secret, cnonce, anonce)
     codec = wire.LinkCodec(key, send=wire.TO_AGENT, receive=wire.TO_CONTROLLER)
     link = Link(ws, worker_id, codec, ticket=tickets.issue(worker_id))
+    link.open_job = str(open_job) if open_job is not None else None
     # Sent by welcome(), once the link is registered (or an ERROR instead, if it is not).
     link.welcome = {
-        "proof": wire.server_proof(join_secret, cnonce, anonce),
+        "proof": wire.server_proof(secret, cnonce, anonce),
         "ticket": link.ticket,
         "heartbeat_interval": heartbeat_interval,
         "heartbeat_timeout": heartbeat_timeout,

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from muster.controller.links import CLOSE_REFUSED
 from muster.errors import BadRequest, NotFound, PlacementConflict
 from muster.membership.admission import Hello, refusal
 from muster.membership.window import (
@@ -290,6 +291,14 @@ class WindowDesk:
         if rules.target is not None:
             said += f", target {rules.target}"
         said += f", timeout {rules.join_timeout:.0f}s, hard cap {rules.max_join_timeout:.0f}s"
+        if spec.gang.window is not None and spec.gang.window.open_admission:
+            said += "; OPEN ADMISSION: boxes walk in without the join secret"
+            log.warning(
+                "job %s: its join window admits any box that reaches this controller, without "
+                "the join secret (open_admission): such a box runs the job's code and joins "
+                "its world. Use it only on a network you trust entirely",
+                job,
+            )
         self.c.writer.submit([EventWrite("WindowOpened", said, job, data={"opened_at": at})])
         return entry
 
@@ -553,3 +562,7 @@ class WindowDesk:
             await link.send(
                 Kind.JOIN_REPLY, {"job": job, "admitted": admitted, "reason": reason, **more}
             )
+            if getattr(link, "open_job", None) and not admitted and not more.get("waiting"):
+                # Admitted without the join secret for this window, which has nothing more
+                # for it: the link ends (an honest box leaves on this reply anyway).
+                self.c.close_later(link, CLOSE_REFUSED)

@@ -48,7 +48,7 @@ def test_a_bad_file_exits_2_naming_every_key(tmp_path: Path) -> None:
         assert key in result.stderr
 
 
-def test_open_admission_on_a_network_bind_warns_loudly(tmp_path: Path) -> None:
+def test_open_admission_warns_loudly_whatever_the_bind(tmp_path: Path) -> None:
     loud = tmp_path / "muster.cluster.yml"
     loud.write_text(
         "controller: {host: 0.0.0.0, join: {open_admission: true}}\n"
@@ -56,7 +56,10 @@ def test_open_admission_on_a_network_bind_warns_loudly(tmp_path: Path) -> None:
     )
     result = muster("up", "--dry-run", loud)
     assert result.returncode == 0, result.stderr
-    assert "warning: open_admission on 0.0.0.0" in result.stderr
+    assert "warning: open_admission on 0.0.0.0: any peer that reaches this port" in result.stderr
+    local = tmp_path / "local.yml"  # loopback: every user of the machine reaches it
+    local.write_text("controller: {join: {open_admission: true}}\nworkers: [{host: a, procs: 2}]\n")
+    assert "any user of this machine" in muster("up", "--dry-run", local).stderr
     quiet = tmp_path / "quiet.yml"
-    quiet.write_text("controller: {join: {open_admission: true}}\nworkers: [{host: a, procs: 2}]\n")
+    quiet.write_text("controller: {host: 0.0.0.0}\nworkers: [{host: a, procs: 2}]\n")
     assert "warning" not in muster("up", "--dry-run", quiet).stderr
