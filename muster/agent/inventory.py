@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import shutil
 import socket
 import subprocess
 from urllib.parse import urlparse
 
 import psutil
 
-from muster.errors import UserError
+from muster.agent.gpus import list_gpus
+from muster.errors import InfrastructureError, UserError
 from muster.net.wireguard import device_unavailable, has_cap_net_admin
 from muster.spec import MESH_INTERFACE, Gpus, NetworkCaps, WorkerInventory
 
@@ -45,25 +45,16 @@ def probe_python(python: str) -> dict[str, object]:
 
 
 def probe_gpus() -> Gpus:
-    """NVIDIA GPUs through nvidia-smi when it is there; otherwise none."""
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return Gpus()
+    """The GPUs nvidia-smi or rocm-smi lists; none when neither is there (or it fails)."""
     try:
-        done = subprocess.run(
-            [smi, "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=20,
-            check=True,
-        )
-    except (OSError, subprocess.SubprocessError):
+        found = list_gpus()
+    except InfrastructureError:
         return Gpus()
-    rows = [line.split(",") for line in done.stdout.strip().splitlines() if line.strip()]
-    if not rows:
+    if not found.gpus:
         return Gpus()
+    first = found.gpus[0]
     return Gpus(
-        count=len(rows), vendor="nvidia", model=rows[0][0].strip(), memory_mb=int(float(rows[0][1]))
+        count=len(found.gpus), vendor=found.vendor, model=first.name, memory_mb=first.memory_mb
     )
 
 

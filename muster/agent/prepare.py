@@ -9,17 +9,16 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from muster.agent.datasig import data_signature
+from muster.agent.gpus import GpuList, list_gpus
 from muster.errors import InfrastructureError
 from muster.spec import WorkerInventory
 
-SMI_TIMEOUT_S = 20
 STAGE_FREE_MIN = 64 * 1024 * 1024  # a bundle, the ranks' logs, a rendezvous file
 
 
@@ -27,38 +26,19 @@ class NotReady(InfrastructureError):
     """This box cannot walk in right now; the message names the check and the fix."""
 
 
-def visible_gpus() -> list[int] | None:
-    """The GPU indices nvidia-smi lists (it ignores CUDA_VISIBLE_DEVICES); None without
-    nvidia-smi."""
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return None
-    try:
-        done = subprocess.run(
-            [smi, "--query-gpu=index", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=SMI_TIMEOUT_S,
-            check=True,
-        )
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise NotReady(f"the GPU gate could not run nvidia-smi: {exc}") from exc
-    return sorted(int(x) for x in done.stdout.split() if x.strip().isdigit())
-
-
-def gpu_gate(offered: Sequence[int], present: list[int] | None) -> str:
+def gpu_gate(offered: Sequence[int], present: GpuList) -> str:
     """Why the GPUs named by ``--devices`` cannot be offered ("" when they can)."""
     wanted = ",".join(map(str, offered))
-    if not present:
+    if not present.gpus:
         return (
-            f"--devices {wanted}: this box has no GPU nvidia-smi can see; offer CPU ranks "
-            "with --procs N instead"
+            f"--devices {wanted}: this box has no GPU that nvidia-smi or rocm-smi lists; "
+            "offer CPU ranks with --procs N instead"
         )
-    missing = [d for d in offered if d not in present]
+    missing = [d for d in offered if d not in present.indices]
     if missing:
         return (
             f"--devices {wanted}: GPU {','.join(map(str, missing))} is not on this box "
-            f"(nvidia-smi lists {','.join(map(str, present))}); list only those"
+            f"({present.tool} lists {','.join(map(str, present.indices))}); list only those"
         )
     return ""
 
@@ -97,7 +77,11 @@ class Preparation:
     def check(self) -> None:
         """Raise NotReady naming the first check that fails."""
         if self.devices is not None:
-            problem = gpu_gate(self.devices, visible_gpus())
+            try:
+                present = list_gpus()
+            except InfrastructureError as exc:
+                raise NotReady(f"the GPU gate could not list this box's GPUs: {exc}") from exc
+            problem = gpu_gate(self.devices, present)
             if problem:
                 raise NotReady(problem)
         problem = stage_dir_problem(self.stage_dir)

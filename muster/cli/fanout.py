@@ -69,8 +69,13 @@ def remote_command(
 
 
 def probe_devices(worker: Worker, timeout: float = 30) -> int:
-    """``devices: all``: count the worker's GPUs over SSH (nvidia-smi), at dispatch."""
-    argv = [*ssh_argv(worker), "nvidia-smi --query-gpu=index --format=csv,noheader"]
+    """``devices: all``: count the worker's GPUs over SSH (nvidia-smi, else rocm-smi: one
+    line per GPU either way), at dispatch."""
+    listing = (
+        "nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null"
+        " || rocm-smi --showproductname 2>/dev/null | grep 'Card Series'"
+    )
+    argv = [*ssh_argv(worker), listing]
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
@@ -79,7 +84,8 @@ def probe_devices(worker: Worker, timeout: float = 30) -> int:
     if done.returncode != 0 or count == 0:
         said = " ".join(done.stderr.split())[-300:] or "no GPU listed"
         raise UserError(
-            f"workers[{worker.host}]: devices: all, but nvidia-smi over ssh found none ({said}); "
+            f"workers[{worker.host}]: devices: all, but nvidia-smi or rocm-smi over ssh found "
+            f"none ({said}); "
             "list its devices, or give procs for a CPU host"
         )
     return count

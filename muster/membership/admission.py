@@ -47,7 +47,8 @@ def refusal(cohort: Hello | None, hello: Hello, backend: str) -> str:
         return (
             f"{hello.host}'s GPUs are {mine} but the cohort's are {theirs} (as {cohort.host}'s): "
             "NCCL cannot join vendors in one world (it would hang at formation); join this box "
-            f"to a {mine} cohort, or run the job on a CPU backend (gloo), which mixes vendors"
+            f"to a cohort of {mine} GPUs, or run the job on a CPU backend (gloo), which mixes "
+            "vendors"
         )
     if hello.torch != cohort.torch:
         return (

@@ -12,16 +12,14 @@ from pathlib import Path
 import pytest
 
 from muster.agent.agent import Agent, AgentConfig
-from muster.agent.prepare import NotReady, Preparation, gpu_gate, stage_dir_problem, visible_gpus
+from muster.agent.gpus import GpuList, list_gpus
+from muster.agent.prepare import NotReady, Preparation, gpu_gate, stage_dir_problem
 from muster.spec import WorkerInventory
 from muster.spec.worker import WalkIn
 
 FAKE_SMI = """#!/bin/sh
-# nvidia-smi as a box with GPUs 0 and 1 answers the queries muster makes
-case "$*" in
-  *index*) printf '0\\n1\\n' ;;
-  *) printf 'Fake GPU, 16384\\nFake GPU, 16384\\n' ;;
-esac
+# nvidia-smi as a box with GPUs 0 and 1 answers muster's one query (index,name,memory.total)
+printf '0, Fake GPU, 16384\\n1, Fake GPU, 16384\\n'
 """
 
 
@@ -36,15 +34,16 @@ def two_gpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_the_gpu_gate_names_a_device_the_box_does_not_have(two_gpus: None) -> None:
-    assert visible_gpus() == [0, 1]
-    assert gpu_gate([1, 0], visible_gpus()) == ""
-    problem = gpu_gate([0, 3], visible_gpus())
+    present = list_gpus()
+    assert present.indices == [0, 1]
+    assert gpu_gate([1, 0], present) == ""
+    problem = gpu_gate([0, 3], present)
     assert "--devices 0,3: GPU 3 is not on this box (nvidia-smi lists 0,1)" in problem
 
 
 def test_the_gpu_gate_sends_a_box_without_gpus_to_procs() -> None:
-    problem = gpu_gate([0], None)
-    assert "no GPU nvidia-smi can see" in problem
+    problem = gpu_gate([0], GpuList())
+    assert "no GPU that nvidia-smi or rocm-smi lists" in problem
     assert "--procs N" in problem
 
 
