@@ -11,15 +11,9 @@ from typing import Any
 
 import pytest
 
-from muster.controller.windows import (
-    WindowDesk,
-    door,
-    hello_of,
-    open_entry,
-    summary,
-    window_rules,
-)
+from muster.controller.windows import WindowDesk
 from muster.errors import BadRequest
+from muster.membership.cohort import door, hello_of, open_entry, summary, window_rules
 from muster.membership.window import Join, step
 from muster.spec import JobState, NetworkCaps, PathClass, WorkerInventory, WorkerView, parse_job
 from muster.spec.worker import WalkIn
