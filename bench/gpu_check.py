@@ -81,7 +81,7 @@ def worker() -> None:
     check("parameters identical on every rank", all(torch.equal(g, gathered[0]) for g in gathered))
     check("weighted average", torch.allclose(weight, torch.full_like(weight, want)))
     check("integer buffer stays local", int(model[1].num_batches_tracked) == rank + 7)
-    check("three collectives", result.collectives == 3)
+    check("three collectives (COUNT, one param bucket, one buffer bucket)", result.collectives == 3)
 
     # ElChe's stopwatch on CUDA times the work, not the kernel launches.
     from muster.train.elche import ElChe
@@ -126,6 +126,16 @@ def worker() -> None:
         average_round(big, 4, gamma=1.0)
         torch.cuda.synchronize()
         ours.append(time.perf_counter() - t0)
+    # Memory: the round holds no second copy of the model (at most two buckets on top).
+    torch.cuda.synchronize()
+    resident = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    average_round(big, 4, gamma=1.0)
+    torch.cuda.synchronize()
+    extra = (torch.cuda.max_memory_allocated() - resident) / 2**20
+    model_mib = sum(p.numel() * p.element_size() for p in big.parameters()) / 2**20
+    print(f"rank {rank}: a round on {model_mib:.0f} MiB took {extra:.1f} MiB more", flush=True)
+    check("a round's extra memory is bounded by two buckets", extra <= 2 * 25 + 1)
     a, m = statistics.median(plain[5:]) * 1e3, statistics.median(ours[5:]) * 1e3
     if rank == 0:
         params = sum(p.numel() for p in big.parameters()) / 1e6

@@ -2,25 +2,44 @@
 
 One averaging round, on every rank of the process group:
 
-1. COUNT, always: all_reduce(sum) of [gamma_mass(n), mover_mass(n)] in float64.
-2. If the cohort's gamma mass is not realized (every rank idle), return after that one
-   collective: every rank holds the same sums, so every rank takes the same branch and the
-   number of collectives stays identical across ranks.
-3. PARAM: each rank contributes its floating-point parameters scaled by n**gamma / sum, summed.
-   On NCCL the scale is fused into the collective (premultiply-sum); for bf16 on NCCL, and on
-   gloo, the rank pre-scales and the collective sums (a known torch bug makes premul-sum return
-   zeros for bf16 with power-of-two factors).
-4. BUFFER, only if the model has floating-point buffers: the same with mover mass. Integer
-   buffers stay local (they evolve identically on every rank); optimizer state stays local.
+1. COUNT, always: one all_reduce(sum) of a float64 vector in which each rank fills its own
+   slots: the batches it realized, its window number, and the caller's ``side`` values. After
+   it every rank holds every rank's counts and windows, so every rank computes the same
+   weights and takes the same branch below:
+   - ranks at different windows: every rank raises ``CohortDiverged`` here, before any model
+     was averaged (a rank that left its loop early would otherwise average another window);
+   - the cohort idle (every count 0): every rank keeps its local state; nothing more is sent.
+2. PARAM: each rank contributes its floating-point parameters scaled by its share, and the
+   collective sums. A rank's share is ``n_r**gamma / sum_j n_j**gamma`` (an idle rank's is 0:
+   the idle guard), computed in log space from the gathered counts, so no gamma and no count
+   overflows on one rank while the others wait in the collective.
+3. The divergence triple (seed 002), between the two rounds: this rank's distance from the
+   consensus, and the norms of its parameters before and of the consensus after.
+4. BUFFER, only if the model has floating-point buffers: the same with mover mass (every rank
+   that did any work weighs the same). Integer buffers stay local (they evolve identically on
+   every rank); optimizer state stays local.
 
-Tensors of one dtype travel as one flat buffer, so a round is at most three collectives.
-A second backend (the CPU star with per-host folds) can sit beside this one: both take the
-same masses from ``muster.train.mass``.
+Memory: tensors are reduced in place, in buckets of at most ``bucket_bytes`` of one dtype
+(25 MiB by default, DDP's bucket): small tensors are packed into one scratch buffer, a large
+one is reduced in slices of itself. A round never holds a second copy of the model; its
+extra memory is at most two buckets. A round is therefore 1 + one collective per parameter
+bucket + one per buffer bucket; ``RoundResult.collectives`` counts them, the same number on
+every rank.
+
+On NCCL the scale is fused into the collective (premultiply-sum), except for bf16 (a known
+torch bug makes premul-sum return zeros for bf16 with power-of-two factors); there, and on
+gloo, the rank pre-scales and the collective sums.
+
+``MUSTER_TRAIN_DEBUG=1`` prints a line on stderr as each collective is entered and left,
+naming the window, the collective and its size, so a stuck rank shows where it is parked.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+import os
+import sys
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,17 +47,33 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from muster.train.mass import gamma_mass, is_realized, mover_mass
+from muster.errors import CohortDiverged, UserError
+from muster.train.mass import MAX_GAMMA, gamma_shares, mover_mass
+
+BUCKET_BYTES = 25 * 1024 * 1024
+Trace = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """How far this rank's parameters were from the consensus the round made (L2 norms over
+    every floating-point parameter)."""
+
+    distance: float  # |local - consensus|
+    norm_before: float  # |local|
+    norm_after: float  # |consensus|
 
 
 @dataclass(frozen=True)
 class RoundResult:
-    """What one averaging round did on this rank."""
+    """What one averaging round did on this rank (the same counts on every rank)."""
 
     realized: bool
-    collectives: int  # 1 (idle cohort), 2 (params) or 3 (params and float buffers)
-    cohort_mass: float  # sum of n**gamma over the cohort
-    movers: float  # ranks that did any work
+    collectives: int  # COUNT, then one per parameter bucket and one per float-buffer bucket
+    counts: tuple[int, ...]  # the batches every rank realized this window
+    weight: float  # this rank's share of the parameter average (0: it did no work)
+    movers: int  # ranks that did any work
+    divergence: Divergence | None  # None when the round realized nothing
 
 
 def _floating(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
@@ -58,23 +93,129 @@ def premul_sum_args(tensor: torch.Tensor, factor: float, backend: str) -> tuple[
     return dist.ReduceOp.SUM, True
 
 
-def weighted_sum(tensors: list[torch.Tensor], factor: float, group: Any, backend: str) -> None:
-    """Replace every tensor by the cohort's sum of factor-scaled copies, one dtype at a time."""
+def debug_trace(rank: int) -> Trace | None:
+    """The MUSTER_TRAIN_DEBUG=1 tracer: enter/exit lines on stderr, or None."""
+    if os.environ.get("MUSTER_TRAIN_DEBUG", "") in ("", "0"):
+        return None
+
+    def trace(what: str) -> None:
+        print(f"[muster.train rank {rank}] {what}", file=sys.stderr, flush=True)
+
+    return trace
+
+
+@dataclass
+class _Sums:
+    """Squared norms (local, consensus, difference), accumulated on the device and read once
+    per round (one sync on a GPU)."""
+
+    acc: torch.Tensor | None = None
+
+    def _add(self, index: int, tensor: torch.Tensor) -> None:
+        if self.acc is None:
+            self.acc = torch.zeros(3, dtype=torch.float64, device=tensor.device)
+        self.acc[index] += torch.linalg.vector_norm(tensor).to(torch.float64) ** 2
+
+    def norms(self, local: torch.Tensor, consensus: torch.Tensor) -> None:
+        self._add(0, local)
+        self._add(1, consensus)
+
+    def difference(self, diff: torch.Tensor) -> None:
+        self._add(2, diff)
+
+    def divergence(self) -> Divergence:
+        before, after, diff = self.acc.tolist() if self.acc is not None else (0.0, 0.0, 0.0)
+        return Divergence(math.sqrt(diff), math.sqrt(before), math.sqrt(after))
+
+
+def _buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
+    """Flat, contiguous 1-D views of ``tensors``, packed in order into buckets of one dtype
+    and at most ``bucket_bytes`` each; a tensor larger than a bucket is cut into slices."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for tensor in tensors:
         by_dtype.setdefault(tensor.dtype, []).append(tensor)
-    for same in by_dtype.values():
-        flat = torch.cat([t.detach().reshape(-1) for t in same])
-        op, prescale = premul_sum_args(flat, factor, backend)
+    out: list[list[torch.Tensor]] = []
+    for dtype, same in by_dtype.items():
+        cap = max(1, bucket_bytes // torch.empty((), dtype=dtype).element_size())
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for tensor in same:
+            flat = tensor.detach().view(-1)
+            for start in range(0, flat.numel(), cap):
+                piece = flat[start : start + cap]
+                if bucket and size + piece.numel() > cap:
+                    out.append(bucket)
+                    bucket, size = [], 0
+                bucket.append(piece)
+                size += piece.numel()
+        if bucket:
+            out.append(bucket)
+    return out
+
+
+def weighted_sum(
+    tensors: list[torch.Tensor],
+    factor: float,
+    group: Any,
+    backend: str,
+    *,
+    bucket_bytes: int = BUCKET_BYTES,
+    sums: _Sums | None = None,
+    trace: Trace | None = None,
+    label: str = "REDUCE",
+) -> int:
+    """Replace every tensor, in place, by the cohort's sum of factor-scaled copies; returns
+    the number of collectives (buckets). With ``sums``, also accumulates the squared norms of
+    the local values, the sums and their difference."""
+    # A tensor that is not contiguous (rare for parameters) is reduced through a contiguous
+    # copy and written back: its copy is the one allocation past the bucket bound.
+    work = [t if t.is_contiguous() else t.detach().contiguous() for t in tensors]
+    buckets = _buckets(work, bucket_bytes)
+    scratch: dict[torch.dtype, torch.Tensor] = {}
+    for index, views in enumerate(buckets):
+        n = sum(v.numel() for v in views)
+        dtype = views[0].dtype
+        spare = views[0]  # (unused when a lone view is reduced without sums)
+        if len(views) > 1 or sums is not None:
+            if dtype not in scratch:  # one per dtype, the size of its largest bucket
+                largest = max(sum(v.numel() for v in b) for b in buckets if b[0].dtype == dtype)
+                scratch[dtype] = torch.empty(largest, dtype=dtype, device=views[0].device)
+            spare = scratch[dtype][:n]
+        if len(views) == 1:
+            buf = views[0]  # reduced in place; the local values wait in the scratch
+            if sums is not None:
+                spare.copy_(buf)
+        else:
+            buf = torch.cat(views, out=spare)  # reduced in the scratch; views stay local
+        op, prescale = premul_sum_args(buf, factor, backend)
         if prescale:
-            flat.mul_(factor)
-        dist.all_reduce(flat, op=op, group=group)
-        offset = 0
+            buf.mul_(factor)
+        if trace is not None:
+            megabytes = n * buf.element_size() / 2**20
+            kind = str(dtype).removeprefix("torch.")
+            trace(f"enter {label} {index + 1}/{len(buckets)} ({kind}, {megabytes:.2f} MiB)")
+        dist.all_reduce(buf, op=op, group=group)
+        if trace is not None:
+            trace(f"exit {label} {index + 1}/{len(buckets)}")
         with torch.no_grad():
-            for t in same:
-                size = t.numel()
-                t.copy_(flat[offset : offset + size].view_as(t))
-                offset += size
+            if len(views) == 1:
+                if sums is not None:
+                    sums.norms(spare, buf)
+                    sums.difference(spare.sub_(buf))  # (the scratch is free after this)
+            else:
+                offset = 0
+                for view in views:
+                    part = buf[offset : offset + view.numel()]
+                    if sums is not None:
+                        sums.norms(view, part)
+                        sums.difference(view - part)  # at most one view's size
+                    view.copy_(part)
+                    offset += view.numel()
+    with torch.no_grad():
+        for tensor, done in zip(tensors, work, strict=True):
+            if done is not tensor:
+                tensor.copy_(done)
+    return len(buckets)
 
 
 def average_round(
@@ -83,28 +224,72 @@ def average_round(
     gamma: float = 1.0,
     group: Any = None,
     side: torch.Tensor | None = None,
+    *,
+    window: int | None = None,
+    bucket_bytes: int = BUCKET_BYTES,
+    trace: Trace | None = None,
 ) -> RoundResult:
     """Average ``model`` across the group, each rank weighted by the batches it realized.
 
     ``side``, a float64 CPU vector of the same length on every rank, rides the COUNT
     collective and is replaced by its sum over the group (the ElChe timing exchange uses it,
-    so a window costs no extra collective).
+    so a window costs no extra collective). ``window``: this rank's window number; a cohort
+    whose ranks disagree raises CohortDiverged on every rank before anything is averaged.
     """
+    if not math.isfinite(gamma) or not 0.0 <= gamma <= MAX_GAMMA:
+        raise UserError(f"gamma must be between 0 and {MAX_GAMMA:g}; got {gamma!r}")
     backend = str(dist.get_backend(group))
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     device = next(model.parameters()).device
-    head = [gamma_mass(batches, gamma), mover_mass(batches)]
     extra = side.tolist() if side is not None else []
+    head = [0.0] * (2 * world)
+    head[rank] = float(max(0, batches))
+    head[world + rank] = float(window + 1) if window is not None else 0.0
     count = torch.tensor(head + extra, dtype=torch.float64, device=device)
+    if trace is not None:
+        trace(f"enter COUNT (window {window})")
     dist.all_reduce(count, op=dist.ReduceOp.SUM, group=group)
+    if trace is not None:
+        trace(f"exit COUNT (window {window})")
+    gathered = count.tolist()
     if side is not None:
-        side.copy_(count[2:].cpu())
-    cohort_mass, movers = float(count[0]), float(count[1])
-    if not is_realized(cohort_mass):
-        return RoundResult(False, 1, cohort_mass, movers)
+        side.copy_(torch.tensor(gathered[2 * world :], dtype=torch.float64))
+    counts = tuple(int(c) for c in gathered[:world])
+    if window is not None:
+        windows = [int(w) - 1 for w in gathered[world : 2 * world]]
+        if len(set(windows)) > 1:
+            lagging = ", ".join(f"rank {r} at {w}" for r, w in enumerate(windows) if w != window)
+            raise CohortDiverged(
+                f"rank {rank} is at the averaging round of window {window}, but {lagging}: "
+                "every rank must run the same loop (no early break on one rank); nothing of "
+                "this round was averaged"
+            )
+    shares = gamma_shares(counts, gamma)
+    movers = sum(1 for c in counts if c > 0)
+    if movers == 0:
+        return RoundResult(False, 1, counts, 0.0, 0, None)
+    sums = _Sums()
     params = _floating(model.parameters())
-    weighted_sum(params, gamma_mass(batches, gamma) / cohort_mass, group, backend)
+    collectives = 1 + weighted_sum(
+        params,
+        shares[rank],
+        group,
+        backend,
+        bucket_bytes=bucket_bytes,
+        sums=sums,
+        trace=trace,
+        label="PARAM",
+    )
+    divergence = sums.divergence()  # between the rounds: the buffers cannot mask it
     buffers = _floating(model.buffers())
-    if not buffers:
-        return RoundResult(True, 2, cohort_mass, movers)
-    weighted_sum(buffers, mover_mass(batches) / movers, group, backend)
-    return RoundResult(True, 3, cohort_mass, movers)
+    if buffers:
+        collectives += weighted_sum(
+            buffers,
+            mover_mass(counts[rank]) / movers,
+            group,
+            backend,
+            bucket_bytes=bucket_bytes,
+            trace=trace,
+            label="BUFFER",
+        )
+    return RoundResult(True, collectives, counts, shares[rank], movers, divergence)

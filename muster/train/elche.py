@@ -30,6 +30,7 @@ waiting in the next round's collective until the process group's timeout.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -40,8 +41,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from muster.errors import CohortDiverged, UserError
-from muster.train.collective import RoundResult, average_round
+from muster.errors import UserError
+from muster.train.collective import RoundResult, Trace, average_round, debug_trace
+from muster.train.mass import MAX_GAMMA
 from muster.train.sampler import WindowSampler
 from muster.train.schedule import ElCheSchedule, WindowReport, WindowSummary
 
@@ -49,15 +51,18 @@ Mode = Literal["sync", "cadence", "async"]
 MODES = ("sync", "cadence", "async")
 T = TypeVar("T")
 
-# Per-rank slots in the timing exchange that rides the COUNT collective.
-_SLOTS = 6  # window number + 1, batches, marginal ms, has marginal, fill excess ms, compute ms
+# Per-rank slots in the timing exchange that rides the COUNT collective (the batches and
+# the window number travel in COUNT's own slots).
+_SLOTS = 4  # marginal ms, has marginal, fill excess ms, compute ms
+
+log = logging.getLogger("muster.train")
 
 
 class AverageBackend(Protocol):
     """How a round averages the model: the collective backend today, the CPU star later."""
 
     def round(
-        self, model: nn.Module, batches: int, gamma: float, side: torch.Tensor
+        self, model: nn.Module, batches: int, gamma: float, side: torch.Tensor, window: int
     ) -> RoundResult: ...
 
 
@@ -66,11 +71,14 @@ class CollectiveBackend:
     """all_reduce over torch.distributed (gloo or NCCL): every round paces the window."""
 
     group: Any = None
+    trace: Trace | None = None
 
     def round(
-        self, model: nn.Module, batches: int, gamma: float, side: torch.Tensor
+        self, model: nn.Module, batches: int, gamma: float, side: torch.Tensor, window: int
     ) -> RoundResult:
-        return average_round(model, batches, gamma, self.group, side)
+        return average_round(
+            model, batches, gamma, self.group, side, window=window, trace=self.trace
+        )
 
 
 class Stopwatch:
@@ -145,8 +153,11 @@ class ElChe:
             )
         if backend != "collective":
             raise UserError(f"backend must be 'collective' (the only one built); got {backend!r}")
-        if not math.isfinite(gamma):
-            raise UserError(f"gamma must be a finite number; got {gamma!r}")
+        if not math.isfinite(gamma) or not 0.0 <= gamma <= MAX_GAMMA:
+            raise UserError(
+                f"gamma must be between 0 (every rank that worked weighs the same) and "
+                f"{MAX_GAMMA:g} (n**gamma: the fastest rank all but alone); got {gamma!r}"
+            )
         if not dist.is_available() or not dist.is_initialized():
             raise UserError(
                 "ElChe needs a process group: call torch.distributed.init_process_group() "
@@ -163,7 +174,7 @@ class ElChe:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
-        self.backend: AverageBackend = CollectiveBackend(group)
+        self.backend: AverageBackend = CollectiveBackend(group, debug_trace(self.rank))
         self.device = next(model.parameters()).device
         self.sampler = WindowSampler(
             dataset_size, batch_size, rank=self.rank, world=self.world, seed=seed, shuffle=shuffle
@@ -228,8 +239,6 @@ class ElChe:
         base = self.rank * _SLOTS
         side[base : base + _SLOTS] = torch.tensor(
             [
-                self.window + 1,
-                mine.batches,
                 mine.marginal_ms or 0.0,
                 1.0 if mine.marginal_ms is not None else 0.0,
                 mine.fill_excess_ms,
@@ -238,25 +247,33 @@ class ElChe:
             dtype=torch.float64,
         )
         started = time.perf_counter()
-        self.last_round = self.backend.round(self.model, mine.batches, self.gamma, side)
+        # (CohortDiverged, raised on every rank, when a rank is at another window)
+        result = self.backend.round(self.model, mine.batches, self.gamma, side, self.window)
+        self.last_round = result
         self.round_ms += (time.perf_counter() - started) * 1e3
         rows = side.view(self.world, _SLOTS).tolist()
-        for rank, row in enumerate(rows):
-            if int(row[0]) != self.window + 1:
-                raise CohortDiverged(
-                    f"rank {rank} reached the averaging round of window {int(row[0]) - 1} while "
-                    f"rank {self.rank} is at window {self.window}: every rank must run the same "
-                    "loop (no early break on one rank)"
-                )
         reports = [
             WindowSummary(
-                batches=int(row[1]),
-                marginal_ms=row[2] if row[3] else None,
-                fill_excess_ms=row[4],
-                compute_rate_ms=row[5] if row[1] > 0 else None,
+                batches=n,
+                marginal_ms=row[0] if row[1] else None,
+                fill_excess_ms=row[2],
+                compute_rate_ms=row[3] if n > 0 else None,
             )
-            for row in rows
+            for n, row in zip(result.counts, rows, strict=True)
         ]
+        if result.divergence is not None:
+            d = result.divergence
+            log.info(
+                "rank %d window %d: counts %s, weight %.3f, distance from consensus %.4g "
+                "(norm %.4g -> %.4g)",
+                self.rank,
+                self.window,
+                list(result.counts),
+                result.weight,
+                d.distance,
+                d.norm_before,
+                d.norm_after,
+            )
         if self.mode == "cadence":
             self.schedule.record(reports)
         self.window += 1

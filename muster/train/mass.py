@@ -24,7 +24,7 @@ anything with ``+`` and ``*`` (floats, numpy arrays, torch tensors).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, cast
 
@@ -33,11 +33,34 @@ from muster.errors import UserError
 V = TypeVar("V")
 
 
+MAX_GAMMA = 4.0  # past it the fastest rank alone decides the average in any real cohort
+
+
 def gamma_mass(batches: float, gamma: float) -> float:
-    """Params-round mass n**gamma, with the idle guard: 0 when the rank did no work."""
+    """Params-round mass n**gamma, with the idle guard: 0 when the rank did no work. Past
+    what a float holds it is inf (never an exception on one rank while its peers wait in a
+    collective); ``gamma_shares`` is the overflow-free form when every count is known."""
     if batches <= 0:
         return 0.0
-    return float(float(batches) ** gamma)
+    try:
+        return float(float(batches) ** gamma)
+    except OverflowError:
+        return math.inf
+
+
+def gamma_shares(counts: Sequence[float], gamma: float) -> list[float]:
+    """Every rank's share of a params round, ``n_r**gamma / sum_j n_j**gamma``, computed in
+    log space so no count and no gamma overflows; idle ranks get 0 (the idle guard), and an
+    all-idle cohort all zeros (the zero-mass round). The same counts give the same shares on
+    every rank, bit for bit."""
+    logs = [gamma * math.log(n) if n > 0 else None for n in counts]
+    live = [x for x in logs if x is not None]
+    if not live:
+        return [0.0] * len(logs)
+    top = max(live)
+    weights = [math.exp(x - top) if x is not None else 0.0 for x in logs]
+    total = math.fsum(weights)
+    return [w / total for w in weights]
 
 
 def mover_mass(batches: float) -> float:

@@ -10,9 +10,12 @@ Timing feed, per window and rank:
   unpipelined copy). It is kept out of the marginal rate; its excess over that rate is kept
   apart as ``fill_excess_ms``, because a fixed cost must not scale a rank's allocation;
 - batches 2..n give the marginal *delivered* cost (compute + data + transport);
-- a window is *coherent* when every rank that worked has a delivered marginal. If it is not,
-  the whole cohort falls back to compute-only timing for that window: mixing the two scales
-  would invert the allocation. Each scale keeps its own history, so the two never mix;
+- a window is *coherent* when some rank has a delivered marginal (it ran two batches or
+  more). Then each rank with one feeds its delivered cost, and a rank that ran exactly one
+  batch (its fill alone: no marginal) is an attested non-mover that adds nothing on either
+  scale (seed 002), rather than sending the whole cohort to the compute scale. A window in
+  which no rank ran two batches is not coherent: every rank that worked feeds its compute
+  time instead. Each scale keeps its own history, so the two never mix;
 - a rank that ran no batch is a non-mover: it adds nothing to the history.
 Rates are the mean over a ring buffer of recent windows. A window never exceeds what is left
 of the epoch. Pure: no clock, no torch.
@@ -115,12 +118,13 @@ class ElCheSchedule:
         """Feed one window's reports (one per rank); returns the scale it was read on."""
         if len(reports) != self.ranks:
             raise UserError(f"expected {self.ranks} reports, got {len(reports)}")
-        movers = [r for r in reports if r.batches > 0]
-        coherent = all(r.marginal_ms is not None for r in movers)
+        coherent = any(r.marginal_ms is not None for r in reports)
         self.scale = "delivered" if coherent else "compute"
         for rank, report in enumerate(reports):
             if report.batches == 0:
                 continue  # a non-mover: no evidence either way
+            if coherent and report.marginal_ms is None:
+                continue  # one batch in a coherent window: a non-mover too (its fill only)
             compute = report.compute_rate_ms
             if compute is not None and compute > 0:
                 self.rings["compute"][rank].append(compute)

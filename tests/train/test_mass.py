@@ -15,6 +15,7 @@ from muster.train.mass import (
     divide_once,
     fold,
     gamma_mass,
+    gamma_shares,
     is_realized,
     mover_mass,
     prescale,
@@ -99,3 +100,19 @@ def test_fold_needs_something() -> None:
     with pytest.raises(UserError, match="at least one"):
         fold([])
     assert fold([Contribution(2.0, 1.0)]).scaled == 2.0
+
+
+def test_gamma_shares_never_overflow_and_agree_with_the_masses() -> None:
+    assert gamma_shares([3, 1], 1.0) == pytest.approx([0.75, 0.25])
+    assert gamma_shares([4, 0], 0.0) == [1.0, 0.0]  # the idle guard
+    assert gamma_shares([0, 0], 1.0) == [0.0, 0.0]  # nothing realized
+    huge = gamma_shares([1000, 200], 200.0)  # 1000**200 is past any float
+    assert huge[0] == pytest.approx(1.0)
+    assert 0.0 <= huge[1] < 1e-100
+    assert sum(gamma_shares([10**12, 7, 1], 4.0)) == pytest.approx(1.0)
+    masses = [gamma_mass(n, 0.5) for n in (9, 4, 1)]
+    assert gamma_shares([9, 4, 1], 0.5) == pytest.approx([m / sum(masses) for m in masses])
+
+
+def test_gamma_mass_past_a_float_is_inf_not_an_exception() -> None:
+    assert gamma_mass(1000, 200.0) == float("inf")

@@ -41,10 +41,10 @@ def test_first_batch_fill_stays_out_of_the_rate() -> None:
     assert schedule.fill_excess_ms == [500.0, 0.0]
 
 
-def test_incoherent_window_drops_the_whole_cohort_to_compute_timing() -> None:
+def test_a_window_where_no_rank_ran_two_batches_drops_to_compute_timing() -> None:
     schedule = ElCheSchedule(ranks=2, anchor_batches=4)
-    # Rank 1 ran a single batch: no delivered marginal, so neither rank uses delivered cost.
-    reports = [window(10, compute=5), window(30, batches=1, compute=20)]
+    # No rank has a delivered marginal (one batch each): the compute scale, for every rank.
+    reports = [window(10, batches=1, compute=5), window(30, batches=1, compute=20)]
     assert schedule.record(reports) == "compute"
     assert schedule.rate_ms(0) == 5
     assert schedule.rate_ms(1) == 20
@@ -53,6 +53,17 @@ def test_incoherent_window_drops_the_whole_cohort_to_compute_timing() -> None:
     assert schedule.record([window(10), window(20)]) == "delivered"
     assert schedule.rate_ms(0) == 10
     assert schedule.rate_ms(1) == 20
+
+
+def test_a_rank_that_ran_one_batch_in_a_coherent_window_is_a_non_mover() -> None:
+    schedule = ElCheSchedule(ranks=2, anchor_batches=4)
+    schedule.record([window(10), window(20)])
+    # Rank 1 ran a single batch (say, the epoch's last): the cohort stays on delivered cost,
+    # and rank 1's lone fill-laden batch (300 ms) adds nothing to either history.
+    assert schedule.record([window(10), window(300, batches=1, compute=250)]) == "delivered"
+    assert schedule.rate_ms(1) == 20
+    assert schedule.rate_ms(1, "compute") == 20
+    assert schedule.batch_counts() == [8, 4]
 
 
 def test_non_mover_adds_no_evidence() -> None:
