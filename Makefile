@@ -34,6 +34,7 @@ demo: setup
 	$(BIN)/muster demo
 
 bench: setup
+	$(BIN)/python -m pip install --quiet -e '.[test,bench]'
 	$(BIN)/python bench/scheduler.py
 	$(BIN)/python bench/store.py
 	$(BIN)/python bench/launch.py
