@@ -3,11 +3,13 @@
 One averaging round, on every rank of the process group:
 
 1. COUNT, always: one all_reduce(sum) of a float64 vector in which each rank fills its own
-   slots: the batches it realized, its window number, and the caller's ``side`` values. After
-   it every rank holds every rank's counts and windows, so every rank computes the same
-   weights and takes the same branch below:
-   - ranks at different windows: every rank raises ``CohortDiverged`` here, before any model
-     was averaged (a rank that left its loop early would otherwise average another window);
+   slots: the batches it realized, its window number, a fingerprint of its model's layout,
+   and the caller's ``side`` values. After it every rank holds every rank's counts, windows
+   and layouts, so every rank computes the same weights and takes the same branch below:
+   - ranks at different windows, or whose models differ in layout (dtypes, sizes, devices):
+     every rank raises ``CohortDiverged`` here, before any model was averaged (a rank that
+     left its loop early would otherwise average another window; an fp16 model against bf16
+     peers would sum the wrong bits without a word);
    - the cohort idle (every count 0): every rank keeps its local state; nothing more is sent.
 2. PARAM: each rank contributes its floating-point parameters scaled by its share, and the
    collective sums. A rank's share is ``n_r**gamma / sum_j n_j**gamma`` (an idle rank's is 0:
@@ -19,12 +21,14 @@ One averaging round, on every rank of the process group:
    that did any work weighs the same). Integer buffers stay local (they evolve identically on
    every rank); optimizer state stays local.
 
-Memory: tensors are reduced in place, in buckets of at most ``bucket_bytes`` of one dtype
-(25 MiB by default, DDP's bucket): small tensors are packed into one scratch buffer, a large
-one is reduced in slices of itself. A round never holds a second copy of the model; its
-extra memory is at most two buckets. A round is therefore 1 + one collective per parameter
-bucket + one per buffer bucket; ``RoundResult.collectives`` counts them, the same number on
-every rank.
+Memory: tensors are reduced in place, in buckets of at most ``bucket_bytes`` of one device
+and dtype (25 MiB by default, DDP's bucket): small tensors are packed into one scratch
+buffer, a large one is reduced in slices of itself. A round never holds a second copy of
+the model; its extra memory is two buckets at most (the scratch, and one tensor's difference
+for the divergence), plus, for a parameter that is not contiguous (a channels_last weight),
+a contiguous copy of that one tensor while it is reduced. A round is therefore 1 + one
+collective per parameter bucket + one per buffer bucket; ``RoundResult.collectives`` counts
+them, the same number on every rank of one model layout (which COUNT checks).
 
 On NCCL the scale is fused into the collective (premultiply-sum), except for bf16 (a known
 torch bug makes premul-sum return zeros for bf16 with power-of-two factors); there, and on
@@ -39,8 +43,9 @@ from __future__ import annotations
 import math
 import os
 import sys
+import zlib
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -109,12 +114,17 @@ class _Sums:
     """Squared norms (local, consensus, difference), accumulated on the device and read once
     per round (one sync on a GPU)."""
 
-    acc: torch.Tensor | None = None
+    acc: dict[torch.device, torch.Tensor] = field(default_factory=dict)
 
     def _add(self, index: int, tensor: torch.Tensor) -> None:
-        if self.acc is None:
-            self.acc = torch.zeros(3, dtype=torch.float64, device=tensor.device)
-        self.acc[index] += torch.linalg.vector_norm(tensor).to(torch.float64) ** 2
+        acc = self.acc.get(tensor.device)
+        if acc is None:
+            acc = self.acc[tensor.device] = torch.zeros(
+                3, dtype=torch.float64, device=tensor.device
+            )
+        # (in float32 at least: a half-precision norm overflows past 65504)
+        wide = torch.float32 if tensor.element_size() < 4 else tensor.dtype
+        acc[index] += torch.linalg.vector_norm(tensor, dtype=wide).to(torch.float64) ** 2
 
     def norms(self, local: torch.Tensor, consensus: torch.Tensor) -> None:
         self._add(0, local)
@@ -124,18 +134,22 @@ class _Sums:
         self._add(2, diff)
 
     def divergence(self) -> Divergence:
-        before, after, diff = self.acc.tolist() if self.acc is not None else (0.0, 0.0, 0.0)
+        before = after = diff = 0.0
+        for acc in self.acc.values():
+            b, a, d = acc.tolist()
+            before, after, diff = before + b, after + a, diff + d
         return Divergence(math.sqrt(diff), math.sqrt(before), math.sqrt(after))
 
 
 def _buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
-    """Flat, contiguous 1-D views of ``tensors``, packed in order into buckets of one dtype
-    and at most ``bucket_bytes`` each; a tensor larger than a bucket is cut into slices."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    """Flat 1-D views of ``tensors`` (contiguous ones), packed in order into buckets of one
+    device and dtype and at most ``bucket_bytes`` each; a tensor larger than a bucket is cut
+    into slices."""
+    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for tensor in tensors:
-        by_dtype.setdefault(tensor.dtype, []).append(tensor)
+        by_kind.setdefault((tensor.device, tensor.dtype), []).append(tensor)
     out: list[list[torch.Tensor]] = []
-    for dtype, same in by_dtype.items():
+    for (_device, dtype), same in by_kind.items():
         cap = max(1, bucket_bytes // torch.empty((), dtype=dtype).element_size())
         bucket: list[torch.Tensor] = []
         size = 0
@@ -167,20 +181,20 @@ def weighted_sum(
     """Replace every tensor, in place, by the cohort's sum of factor-scaled copies; returns
     the number of collectives (buckets). With ``sums``, also accumulates the squared norms of
     the local values, the sums and their difference."""
-    # A tensor that is not contiguous (rare for parameters) is reduced through a contiguous
-    # copy and written back: its copy is the one allocation past the bucket bound.
-    work = [t if t.is_contiguous() else t.detach().contiguous() for t in tensors]
-    buckets = _buckets(work, bucket_bytes)
-    scratch: dict[torch.dtype, torch.Tensor] = {}
+    buckets = _buckets([t for t in tensors if t.is_contiguous()], bucket_bytes)
+    scratch: torch.Tensor | None = None  # one bucket at most, reused while the kind holds
     for index, views in enumerate(buckets):
         n = sum(v.numel() for v in views)
-        dtype = views[0].dtype
+        kind = (views[0].device, views[0].dtype)
         spare = views[0]  # (unused when a lone view is reduced without sums)
         if len(views) > 1 or sums is not None:
-            if dtype not in scratch:  # one per dtype, the size of its largest bucket
-                largest = max(sum(v.numel() for v in b) for b in buckets if b[0].dtype == dtype)
-                scratch[dtype] = torch.empty(largest, dtype=dtype, device=views[0].device)
-            spare = scratch[dtype][:n]
+            if scratch is None or (scratch.device, scratch.dtype) != kind:
+                scratch = None  # (freed before the next is made)
+                largest = max(
+                    sum(v.numel() for v in b) for b in buckets if (b[0].device, b[0].dtype) == kind
+                )
+                scratch = torch.empty(largest, dtype=kind[1], device=kind[0])
+            spare = scratch[:n]
         if len(views) == 1:
             buf = views[0]  # reduced in place; the local values wait in the scratch
             if sums is not None:
@@ -192,8 +206,8 @@ def weighted_sum(
             buf.mul_(factor)
         if trace is not None:
             megabytes = n * buf.element_size() / 2**20
-            kind = str(dtype).removeprefix("torch.")
-            trace(f"enter {label} {index + 1}/{len(buckets)} ({kind}, {megabytes:.2f} MiB)")
+            name = str(kind[1]).removeprefix("torch.")
+            trace(f"enter {label} {index + 1}/{len(buckets)} ({name}, {megabytes:.2f} MiB)")
         dist.all_reduce(buf, op=op, group=group)
         if trace is not None:
             trace(f"exit {label} {index + 1}/{len(buckets)}")
@@ -211,11 +225,35 @@ def weighted_sum(
                         sums.difference(view - part)  # at most one view's size
                     view.copy_(part)
                     offset += view.numel()
-    with torch.no_grad():
-        for tensor, done in zip(tensors, work, strict=True):
-            if done is not tensor:
-                tensor.copy_(done)
-    return len(buckets)
+    del scratch
+    count = len(buckets)
+    # A tensor that is not contiguous (rare for parameters; a channels_last conv weight) is
+    # reduced through a contiguous copy of its own, written back and freed before the next:
+    # one such tensor at a time is the one allocation past the bucket bound.
+    for tensor in tensors:
+        if not tensor.is_contiguous():
+            copy = tensor.detach().contiguous()
+            count += weighted_sum(
+                [copy],
+                factor,
+                group,
+                backend,
+                bucket_bytes=bucket_bytes,
+                sums=sums,
+                trace=trace,
+                label=label,
+            )
+            with torch.no_grad():
+                tensor.copy_(copy)
+            del copy
+    return count
+
+
+def layout_of(params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]) -> int:
+    """A 32-bit fingerprint of what a round reduces (each tensor's dtype, size and device
+    type, in order): ranks whose fingerprints differ would pair the wrong bytes."""
+    shape = [(str(t.dtype), t.numel(), t.device.type) for t in (*params, *buffers)]
+    return zlib.crc32(repr(shape).encode())
 
 
 def average_round(
@@ -240,11 +278,16 @@ def average_round(
         raise UserError(f"gamma must be between 0 and {MAX_GAMMA:g}; got {gamma!r}")
     backend = str(dist.get_backend(group))
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    device = next(model.parameters()).device
+    params, buffers = _floating(model.parameters()), _floating(model.buffers())
+    device = torch.device("cpu")
+    if backend == "nccl":  # NCCL reduces CUDA tensors: the model's GPU, else the current one
+        first = params[0].device if params else None
+        device = first if first is not None and first.type == "cuda" else torch.device("cuda")
     extra = side.tolist() if side is not None else []
-    head = [0.0] * (2 * world)
+    head = [0.0] * (3 * world)
     head[rank] = float(max(0, batches))
     head[world + rank] = float(window + 1) if window is not None else 0.0
+    head[2 * world + rank] = float(layout_of(params, buffers))
     count = torch.tensor(head + extra, dtype=torch.float64, device=device)
     if trace is not None:
         trace(f"enter COUNT (window {window})")
@@ -253,23 +296,30 @@ def average_round(
         trace(f"exit COUNT (window {window})")
     gathered = count.tolist()
     if side is not None:
-        side.copy_(torch.tensor(gathered[2 * world :], dtype=torch.float64))
+        side.copy_(torch.tensor(gathered[3 * world :], dtype=torch.float64))
     counts = tuple(int(c) for c in gathered[:world])
-    if window is not None:
-        windows = [int(w) - 1 for w in gathered[world : 2 * world]]
-        if len(set(windows)) > 1:
-            lagging = ", ".join(f"rank {r} at {w}" for r, w in enumerate(windows) if w != window)
-            raise CohortDiverged(
-                f"rank {rank} is at the averaging round of window {window}, but {lagging}: "
-                "every rank must run the same loop (no early break on one rank); nothing of "
-                "this round was averaged"
-            )
+    windows = [int(w) - 1 for w in gathered[world : 2 * world]]  # (-1: no window given)
+    mine = windows[rank]
+    if len(set(windows)) > 1:
+        lagging = ", ".join(f"rank {r} at {w}" for r, w in enumerate(windows) if w != mine)
+        raise CohortDiverged(
+            f"rank {rank} is at the averaging round of window {mine}, but {lagging}: "
+            "every rank must run the same loop (no early break on one rank); nothing of "
+            "this round was averaged"
+        )
+    layouts = [int(x) for x in gathered[2 * world : 3 * world]]
+    if len(set(layouts)) > 1:
+        odd = [r for r, x in enumerate(layouts) if x != layouts[0]]
+        raise CohortDiverged(
+            f"the models differ in layout (rank 0 and rank {odd[0]}: the floating-point "
+            "parameters' and buffers' dtypes, sizes or devices): every rank must hold the "
+            "same model in the same dtypes; nothing of this round was averaged"
+        )
     shares = gamma_shares(counts, gamma)
     movers = sum(1 for c in counts if c > 0)
     if movers == 0:
         return RoundResult(False, 1, counts, 0.0, 0, None)
     sums = _Sums()
-    params = _floating(model.parameters())
     collectives = 1 + weighted_sum(
         params,
         shares[rank],
@@ -281,7 +331,6 @@ def average_round(
         label="PARAM",
     )
     divergence = sums.divergence()  # between the rounds: the buffers cannot mask it
-    buffers = _floating(model.buffers())
     if buffers:
         collectives += weighted_sum(
             buffers,

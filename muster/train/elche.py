@@ -216,17 +216,26 @@ class ElChe:
         takes counts as delivered cost, not compute. Rounds run between windows.
         """
         self.sampler.start_epoch(epoch)
-        while (left := self.sampler.remaining_batches) > 0:
-            self.counts = self._plan(left)
-            mine = self.sampler.deal(self.counts)
-            watch = Stopwatch(self.device)
-            for indices in mine:
-                item = fetch(indices) if fetch is not None else indices
-                watch.ready()
-                yield item
-                watch.done()
-                self.batches_run += 1
-            self._round(watch.report().summary())
+        finished = False
+        try:
+            while (left := self.sampler.remaining_batches) > 0:
+                self.counts = self._plan(left)
+                mine = self.sampler.deal(self.counts)
+                watch = Stopwatch(self.device)
+                for indices in mine:
+                    item = fetch(indices) if fetch is not None else indices
+                    watch.ready()
+                    yield item
+                    watch.done()
+                    self.batches_run += 1
+                self._round(watch.report().summary())
+            finished = True
+        finally:
+            if not finished:
+                # Left mid-window (a break, an exception) without its round: this rank's next
+                # round must not pass for the one its peers are waiting in. A window number
+                # past theirs makes every rank raise CohortDiverged there instead.
+                self.window += 1
 
     def step(self, loss: torch.Tensor) -> None:
         """The usual step: zero the gradients, backpropagate ``loss``, step the optimizer."""

@@ -12,8 +12,10 @@ Timing feed, per window and rank:
 - batches 2..n give the marginal *delivered* cost (compute + data + transport);
 - a window is *coherent* when some rank has a delivered marginal (it ran two batches or
   more). Then each rank with one feeds its delivered cost, and a rank that ran exactly one
-  batch (its fill alone: no marginal) is an attested non-mover that adds nothing on either
-  scale (seed 002), rather than sending the whole cohort to the compute scale. A window in
+  batch (its fill alone: no marginal) adds nothing to the delivered scale (seed 002's
+  attested non-mover) rather than sending the whole cohort to the compute scale; it still
+  feeds its compute time (unlike the seed), or with ``anchor_batches=1`` the slowest rank,
+  one batch every window, would keep its first window's timing for ever. A window in
   which no rank ran two batches is not coherent: every rank that worked feeds its compute
   time instead. Each scale keeps its own history, so the two never mix;
 - a rank that ran no batch is a non-mover: it adds nothing to the history.
@@ -123,11 +125,13 @@ class ElCheSchedule:
         for rank, report in enumerate(reports):
             if report.batches == 0:
                 continue  # a non-mover: no evidence either way
-            if coherent and report.marginal_ms is None:
-                continue  # one batch in a coherent window: a non-mover too (its fill only)
             compute = report.compute_rate_ms
             if compute is not None and compute > 0:
+                # (a rank that ran one batch still times its compute: with anchor_batches=1
+                # the slowest rank runs one batch every window, and its evidence must move)
                 self.rings["compute"][rank].append(compute)
+            if coherent and report.marginal_ms is None:
+                continue  # one batch in a coherent window: no delivered sample (its fill only)
             delivered = report.marginal_ms
             if coherent and delivered is not None and delivered > 0:
                 self.rings["delivered"][rank].append(delivered)

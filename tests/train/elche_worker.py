@@ -5,7 +5,7 @@ argv: OUT_DIR SCENARIO, with SCENARIO one of
   per epoch, a digest of the parameters;
 - sync: ElChe sync next to torch DDP on the same batches (SGD without momentum); then an
   epoch of 5 batches, whose last window leaves rank 1 without a batch;
-- diverge: rank 1 starts a window ahead, as a rank that skipped one would.
+- diverge: rank 0 breaks out of its loop mid-window and carries on with the next epoch.
 """
 
 from __future__ import annotations
@@ -94,14 +94,24 @@ def sync(rank: int) -> dict[str, object]:
 
 
 def diverge(rank: int) -> dict[str, object]:
+    """Rank 0 leaves its loop early (a real break, mid-window) and goes on to the next epoch;
+    rank 1 runs the loop as written. Every rank must hear of it at the next round."""
     model = nn.Linear(4, 1)
-    elche = ElChe(model, torch.optim.SGD(model.parameters(), lr=0.1), dataset_size=64, batch_size=8)
-    elche.window += rank
+    elche = ElChe(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        dataset_size=64,
+        batch_size=8,
+        mode="sync",
+    )
+    before = params(model)
     try:
-        for _ in elche.epoch(0):
-            pass
+        for epoch in range(2):
+            for _ in elche.epoch(epoch):  # (no step: only rounds could move the model)
+                if rank == 0 and epoch == 0 and elche.window == 1:
+                    break
     except CohortDiverged as error:
-        return {"error": str(error)}
+        return {"error": str(error), "moved": params(model) != before}
     return {"error": None}
 
 

@@ -100,6 +100,15 @@ def main() -> None:
         out["diverged"] = str(exc)
     out["after_diverged"] = mixed.a[0].item()
 
+    # Models of different layouts (fp16 on one rank, bf16 on the other: the same bytes):
+    # every rank refuses before anything is averaged.
+    half = nn.Linear(4, 4).to([torch.float16, torch.bfloat16][rank])
+    try:
+        average_round(half, 1)
+        out["layouts"] = "averaged"
+    except CohortDiverged as exc:
+        out["layouts"] = str(exc)
+
     # The divergence triple: rank 0 holds 1s, rank 1 3s, equal weights: consensus 2s.
     flat = nn.Linear(4, 4, bias=False)  # 16 values
     fill(flat, [1.0, 3.0][rank])

@@ -158,3 +158,11 @@ def test_muster_train_debug_names_every_collective_as_it_is_entered_and_left(
             f"[muster.train rank {rank}] enter PARAM 1/1 (float32, 0.00 MiB)",
             f"[muster.train rank {rank}] exit PARAM 1/1",
         ]
+
+
+def test_ranks_whose_models_differ_in_layout_refuse_before_averaging(
+    bounds: list[dict[str, Any]],
+) -> None:
+    for rank in bounds:
+        assert "the models differ in layout" in rank["layouts"]
+        assert "nothing of this round was averaged" in rank["layouts"]

@@ -96,6 +96,7 @@ def test_a_rank_out_of_step_is_caught_at_the_round(
         assert "is at the averaging round of window" in result["error"]
         assert "no early break" in result["error"]
         assert "nothing of this round was averaged" in result["error"]
+        assert result["moved"] is False
 
 
 def test_bad_settings_are_refused_before_any_collective() -> None:

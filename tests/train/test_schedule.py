@@ -62,8 +62,16 @@ def test_a_rank_that_ran_one_batch_in_a_coherent_window_is_a_non_mover() -> None
     # and rank 1's lone fill-laden batch (300 ms) adds nothing to either history.
     assert schedule.record([window(10), window(300, batches=1, compute=250)]) == "delivered"
     assert schedule.rate_ms(1) == 20
-    assert schedule.rate_ms(1, "compute") == 20
     assert schedule.batch_counts() == [8, 4]
+
+
+def test_with_an_anchor_of_one_the_slowest_ranks_timing_still_moves() -> None:
+    schedule = ElCheSchedule(ranks=2, anchor_batches=1, history=1)
+    schedule.record([window(10, batches=1, compute=10), window(400, batches=1, compute=400)])
+    assert schedule.batch_counts() == [40, 1]  # the first window: slow warm-up
+    for _ in range(2):  # rank 1 warmed up: 40 ms a batch, one batch each window
+        schedule.record([window(10, batches=40), window(40, batches=1, compute=40)])
+    assert schedule.batch_counts() == [4, 1]  # seen, although it never ran two batches
 
 
 def test_non_mover_adds_no_evidence() -> None:
