@@ -38,7 +38,7 @@ def make_data(samples: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=["sync", "cadence"], default="cadence")
-    parser.add_argument("--gamma", type=float, default=1.0)
+    parser.add_argument("--gamma", type=float, default=0.5)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--samples", type=int, default=32768)
     parser.add_argument("--batch-size", type=int, default=256)

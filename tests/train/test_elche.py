@@ -111,9 +111,9 @@ def test_bad_settings_are_refused_before_any_collective() -> None:
         ElChe(model, optimizer, dataset_size=8, batch_size=2, mode="async")
     with pytest.raises(UserError, match="mode must be one of sync, cadence, async"):
         ElChe(model, optimizer, dataset_size=8, batch_size=2, mode="fast")  # type: ignore[arg-type]
-    with pytest.raises(UserError, match="gamma must be between 0 .* and 4"):
+    with pytest.raises(UserError, match=r"gamma must be between 0 .* and 4"):
         ElChe(model, optimizer, dataset_size=8, batch_size=2, gamma=float("nan"))
-    with pytest.raises(UserError, match="gamma must be between 0 .* and 4"):
+    with pytest.raises(UserError, match=r"gamma must be between 0 .* and 4"):
         ElChe(model, optimizer, dataset_size=8, batch_size=2, gamma=200.0)
     with pytest.raises(UserError, match="init_process_group"):
         ElChe(model, optimizer, dataset_size=8, batch_size=2)

@@ -59,3 +59,22 @@ def test_cadence_turns_the_slow_ranks_work_into_progress(data) -> None:  # type:
     assert t_cadence is not None
     phi = (t_alone / t_cadence - 1) * costs.k
     assert phi > 0.3  # better than dropping the slow rank: it contributed
+
+
+def test_at_4x_gamma_half_keeps_more_of_the_slow_ranks_work_than_gamma_one(data) -> None:  # type: ignore[no-untyped-def]
+    """ElChe's default weight (gamma 0.5, muster/train/elche.py): at k=4 it beats weighing
+    by work (gamma 1) and keeps over half of the slow rank's work (phi >= 0.5)."""
+    costs = Costs(k=4)
+    target = data.h_star + GAP
+    alone = run(Arm("alone", 1e-3), TASK, data, costs, 0, stop_at=target).first_below(target)
+    times = {
+        gamma: run(
+            Arm("cadence", 2e-3, period=8, gamma=gamma), TASK, data, costs, 0, stop_at=target
+        ).first_below(target)
+        for gamma in (0.5, 1.0)
+    }
+    assert alone is not None
+    assert times[0.5] is not None
+    assert times[1.0] is not None
+    assert times[0.5] < times[1.0]
+    assert (alone / times[0.5] - 1) * costs.k >= 0.5
