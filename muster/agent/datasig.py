@@ -6,7 +6,8 @@ Hashing every byte is the honest check and the slow one (a 100 GB root is a minu
 so each file's digest is kept in a cache beside the agent's work (keyed by size, mtime, ctime
 and inode, as git and rsync decide a file is unchanged): a box computes the whole signature
 once, and again before every dial only for what changed. Symlinked directories are followed
-(dataset caches are built of them), each real directory once.
+(dataset caches are built of them) under each name they have, never into a directory's own
+ancestors; names are walked in sorted order, whatever order the filesystem lists them in.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import contextlib
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 
 CACHE_VERSION = 1
@@ -26,20 +28,25 @@ def _stamp(st: os.stat_result) -> list[int]:
 
 
 def _files(root: Path) -> list[tuple[str, Path]]:
-    """(relative posix path, path) of every regular file under ``root``, following
-    symlinked directories but entering each real directory once."""
+    """(relative posix path, path) of every regular file under ``root``, in name order,
+    following symlinked directories (an alias is listed under each of its names) but never
+    into one of its own ancestors (a link back up the tree)."""
     found: list[tuple[str, Path]] = []
-    seen: set[tuple[int, int]] = set()
-    for top, dirs, names in os.walk(root, followlinks=True):
-        st = os.stat(top)
-        if (st.st_dev, st.st_ino) in seen:
-            dirs[:] = []  # a link back up the tree, or a second way into the same directory
-            continue
-        seen.add((st.st_dev, st.st_ino))
-        for name in names:
-            path = Path(top, name)
-            if path.is_file():  # (a link to a file counts as that file; a dangling one not)
-                found.append((path.relative_to(root).as_posix(), path))
+
+    def walk(directory: Path, relative: str, ancestors: frozenset[tuple[int, int]]) -> None:
+        for entry in sorted(os.scandir(directory), key=lambda e: e.name):
+            path = Path(entry.path)
+            name = f"{relative}{entry.name}"
+            if entry.is_dir(follow_symlinks=True):
+                st = path.stat()
+                key = (st.st_dev, st.st_ino)
+                if key not in ancestors:
+                    walk(path, f"{name}/", ancestors | {key})
+            elif entry.is_file(follow_symlinks=True):  # (a dangling link is no file)
+                found.append((name, path))
+
+    st = root.stat()
+    walk(root, "", frozenset({(st.st_dev, st.st_ino)}))
     return sorted(found)
 
 
@@ -73,7 +80,9 @@ def data_signature(root: Path, cache_dir: Path | None = None) -> str:
             content = cached[4]
         else:
             content = _digest(path)
-            if _stamp(path.stat()) != stamp:  # written while read: not cached as is
+            # Written while read, or so recently that a rewrite within the filesystem's
+            # timestamp granularity (1 s on sshfs) would keep this stamp: not cached.
+            if _stamp(path.stat()) != stamp or time.time_ns() - stamp[1] < 2 * 10**9:
                 stamp = [-1]
         fresh[relative] = [*stamp, content]
         manifest.update(f"{relative}\t{size}\t{content}\n".encode())

@@ -14,8 +14,8 @@ from muster.errors import InfrastructureError
 from muster.spec.worker import GpuVendor
 
 SMI_TIMEOUT_S = 20
-_AMD_NAME = re.compile(r"^GPU\[(\d+)\]\s*:\s*Card Series:\s*(.+?)\s*$", re.M)
-_AMD_VRAM = re.compile(r"^GPU\[(\d+)\]\s*:\s*VRAM Total Memory \(B\):\s*(\d+)\s*$", re.M)
+_AMD_NAME = re.compile(r"^GPU\[(\d+)\]\s*:\s*Card Series:\s*(.+?)\s*$", re.M | re.I)
+_AMD_VRAM = re.compile(r"^GPU\[(\d+)\]\s*:\s*VRAM Total Memory \(B\):\s*(\d+)\s*$", re.M | re.I)
 
 
 @dataclass(frozen=True)
@@ -66,10 +66,15 @@ def amd(smi: str) -> list[Gpu]:
 def list_gpus() -> GpuList:
     """This machine's GPUs; InfrastructureError when the vendor's tool is there but fails
     (a driver that is gone is not "no GPUs")."""
-    smi = shutil.which("nvidia-smi")
+    smi, rocm = shutil.which("nvidia-smi"), shutil.which("rocm-smi")
+    failed: InfrastructureError | None = None
     if smi is not None:
-        return GpuList("nvidia", "nvidia-smi", nvidia(smi))
-    rocm = shutil.which("rocm-smi")
+        try:
+            return GpuList("nvidia", "nvidia-smi", nvidia(smi))
+        except InfrastructureError as exc:
+            failed = exc  # (an AMD box with a stray nvidia-smi: try rocm-smi)
     if rocm is not None:
         return GpuList("amd", "rocm-smi", amd(rocm))
+    if failed is not None:
+        raise failed
     return GpuList()

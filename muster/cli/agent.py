@@ -177,6 +177,12 @@ def join(
         raise UserError("--open-admission needs --job: the job whose window is open to all")
     if tls_fingerprint is not None and not open_admission:
         raise UserError("--tls-fingerprint is for --open-admission (the join string has it)")
+    if open_admission and not controller_url(controller).startswith("https://"):
+        logging.getLogger("muster.agent").warning(
+            "--open-admission over http: nothing proves the controller is the one you meant, "
+            "and anyone on the path can take this box's session (and run code on it); use "
+            "https with --tls-fingerprint where the network is not entirely yours"
+        )
     for option in ssh_option:  # for --ssh and --data-source alike
         problem = ssh_option_problem(option)
         if problem:

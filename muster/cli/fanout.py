@@ -73,7 +73,7 @@ def probe_devices(worker: Worker, timeout: float = 30) -> int:
     line per GPU either way), at dispatch."""
     listing = (
         "nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null"
-        " || rocm-smi --showproductname 2>/dev/null | grep 'Card Series'"
+        " || rocm-smi --showproductname 2>/dev/null | grep -i 'Card Series'"
     )
     argv = [*ssh_argv(worker), listing]
     try:

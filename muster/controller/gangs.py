@@ -21,6 +21,7 @@ import base64
 import contextlib
 import ipaddress
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
@@ -121,6 +122,9 @@ IDLE_PASS_EVERY_S = 5.0  # with nothing asked, a pass (why-pending, gauges) this
 # more than the placement.
 WHY_PENDING_REFRESH_S = 2.0
 OPEN_LINKS_MAX = 256  # links admitted without the join secret (open_admission), all jobs
+OPEN_HOST = re.compile(r"[A-Za-z0-9._-]{1,63}")
+# An open link that has not walked in (sent its INVENTORY) by then is closed.
+OPEN_ADMIT_S = 30.0
 
 
 class Controller:
@@ -403,6 +407,12 @@ class Controller:
                 )
                 # Closing a silent peer takes a moment: not in the supervision loop.
                 self.close_later(link, 1011)
+            elif link.open_job and not link.reported and now - link.opened_at > OPEN_ADMIT_S:
+                log.warning(
+                    "closing %s: admitted without the secret, it never walked in", link.worker_id
+                )
+                await self.link_down(link, "an open link that never walked in")
+                self.close_later(link, CLOSE_REFUSED)
 
     def close_later(self, link: Link, code: int) -> None:
         """Close ``link`` in its own task: its flush may take a second, not under the lock."""
@@ -913,9 +923,17 @@ class Controller:
         if not entry.window.phase.open:
             return f"the join window of job {job} has closed"
         host = worker_id.removeprefix(open_worker_id(job, ""))
-        if host == worker_id or not host or len(worker_id) > 128:
-            return f"an open walk-in to job {job} is named {open_worker_id(job, 'HOST')}"
-        if sum(1 for link in self.links.values() if link.open_job) >= OPEN_LINKS_MAX:
+        if host == worker_id or not OPEN_HOST.fullmatch(host):
+            return (
+                f"an open walk-in to job {job} is named {open_worker_id(job, 'HOST')}, HOST "
+                "being 1-63 of A-Z a-z 0-9 . _ -"
+            )
+        opened = [link for link in self.links.values() if link.open_job]
+        rules = entry.window.rules
+        per_job = 2 * max(rules.target or 0, rules.quorum) + 8
+        if sum(1 for link in opened if link.open_job == job) >= per_job:
+            return f"{per_job} boxes without the join secret are connected to job {job} already"
+        if len(opened) >= OPEN_LINKS_MAX:
             return f"{OPEN_LINKS_MAX} boxes without the join secret are connected already"
         return ""
 

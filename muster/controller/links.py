@@ -24,6 +24,7 @@ HANDSHAKE_TIMEOUT_S = 10.0
 SEND_TIMEOUT_S = 10.0  # a peer that takes longer to accept one frame is dropped
 PRE_AUTH_MAX_BYTES = 4096  # CHALLENGE/AUTH are a few hundred bytes
 LINK_MAX_BYTES = wire.MAX_PAYLOAD + wire.HEADER.size + wire.MAC_SIZE
+OPEN_LINK_MAX_BYTES = 4 * 1024 * 1024  # a link admitted without the secret (open_admission)
 INBOX_FRAMES = 1024  # frames of one link waiting for the lock before its reader waits too
 OUTBOX_FRAMES = 10_000  # frames queued to one agent before it counts as not reading
 
@@ -57,6 +58,7 @@ class Link:
         # Admitted without the join secret to this job's window (open_admission): it may
         # only walk in to that job.
         self.open_job: str | None = None
+        self.opened_at = time.monotonic()
         self.welcome: dict[str, Any] = {}  # the WELCOME body, sent once the link is registered
         self.logs_queued = 0  # its LOGS frames waiting for the ingest task
         # Frames that need the controller's lock wait here, in their order, for the link's
@@ -210,8 +212,14 @@ async def handshake(
         log.warning("refused a control link from %r: wrong join secret", worker_id[:64])
         await _close(ws, CLOSE_AUTH_FAILED)
         return None
-    # Proven: lift the cap before WELCOME, as the agent's next frames follow it at once.
-    limit_message_size(ws, LINK_MAX_BYTES)
+    elif worker_id.startswith(wire.OPEN_PREFIX):
+        # (the open- names are the links without the secret's: none may pass for one)
+        log.warning("refused a control link from %r: open- names are reserved", worker_id[:64])
+        await _close(ws, CLOSE_AUTH_FAILED)
+        return None
+    # Proven: lift the cap before WELCOME, as the agent's next frames follow it at once (an
+    # open link's stays smaller: its frames are a walk-in's, and nobody vouched for it).
+    limit_message_size(ws, OPEN_LINK_MAX_BYTES if open_job is not None else LINK_MAX_BYTES)
     key = wire.session_key(secret, cnonce, anonce)
     codec = wire.LinkCodec(key, send=wire.TO_AGENT, receive=wire.TO_CONTROLLER)
     link = Link(ws, worker_id, codec, ticket=tickets.issue(worker_id))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from muster.controller.links import CLOSE_REFUSED
@@ -43,6 +44,7 @@ from muster.membership.window import (
     Renumbered,
     Start,
     Tick,
+    open_window,
     step,
 )
 from muster.scheduler import Placement, Unplaceable, place_gang
@@ -56,6 +58,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FORMED_KEPT = 256  # formed windows whose roster `muster status` still shows
+# After a controller restart, the boxes of a window dial back within their back-off (at most
+# 60 s, +20% jitter): its timeout forms no world before then.
+REOPEN_GRACE_S = 75.0
 
 
 def now() -> float:
@@ -98,6 +103,7 @@ class WindowDesk:
         self.closed.add(job)
         if entry is not None and entry.window.phase.open:
             await self._tell_roster(entry, "the job was cancelled before its world formed")
+        self._close_open_links(job, set())
 
     def due(self, at: float) -> bool:
         """Whether some open window's clock has run out (a pass then moves it)."""
@@ -132,7 +138,9 @@ class WindowDesk:
             on_rosters = {m.worker for e in self.entries.values() for m in e.window.roster}
             mine = [i for i in idle if i.join and i.join.job == job]
             # A walk-in for any job goes to the oldest open window that takes it.
-            if not (spec.gang.window and spec.gang.window.named_only):
+            # (a window open to boxes without the secret never gets a fleet box that holds it)
+            window_of = spec.gang.window
+            if not (window_of and (window_of.named_only or window_of.open_admission)):
                 # (served: formed into another window earlier in this very pass)
                 mine += [i for i in anyone if i.id not in on_rosters and i.id not in self.served]
             await self._admit(entry, mine, at)
@@ -150,10 +158,20 @@ class WindowDesk:
         controller restart neither restarts the join timeout nor lifts the hard cap."""
         opened = await self.c.db(self.c.store.window_opened_at, job)
         if opened is not None and opened <= at:
+            entry = open_entry(job, spec, bundle, opened)
+            rules = entry.window.rules
+            # The roster forms anew as the boxes dial back (their back-off may have grown to
+            # a minute): the timeout does not form the world before they had the time to;
+            # the hard cap stands.
+            late = min(
+                rules.max_join_timeout, max(rules.join_timeout, at - opened + REOPEN_GRACE_S)
+            )
+            if late != rules.join_timeout:
+                entry.window = open_window(replace(rules, join_timeout=late), opened)
             log.info(
                 "job %s: its join window opened %.0fs ago; its roster forms anew", job, at - opened
             )
-            return open_entry(job, spec, bundle, opened)
+            return entry
         entry = open_entry(job, spec, bundle, at)
         rules = entry.window.rules
         said = f"join window open: start {rules.start}, quorum {rules.quorum}"
@@ -365,6 +383,7 @@ class WindowDesk:
             hosts,
             formed.world_size,
         )
+        self._close_open_links(job, {m.worker for m in formed.roster})
         await self.c.start_placed(job, world, placement, epoch.number, entry.bundle)
 
     async def _not_open(self, inventory: WorkerInventory) -> None:
@@ -398,6 +417,14 @@ class WindowDesk:
             why = f"job {job} {state.value}"
             await self._send(inventory.id, job, False, why, ended=True, state=state.value)
 
+    def _close_open_links(self, job: str, keep: set[str]) -> None:
+        """The window of ``job`` closed: links admitted without the secret for it that are
+        not in its world have nothing left to do here (one that never walked in, or that
+        reports a member of its own invention, would otherwise stay for ever)."""
+        for link in list(self.c.links.values()):
+            if getattr(link, "open_job", None) == job and link.worker_id not in keep:
+                self.c.close_later(link, CLOSE_REFUSED)
+
     async def _tell_roster(self, entry: WindowEntry, why: str) -> None:
         for member in entry.window.roster:
             box = entry.inventories.get(member.worker)
@@ -407,6 +434,7 @@ class WindowDesk:
                 continue
             self.told.add(member.worker)
             await self._send(member.worker, entry.job, False, why)
+        self._close_open_links(entry.job, set())
 
     async def _reply(
         self,

@@ -93,7 +93,9 @@ class JoinWindow(_Model):
         description="hard cap: a window not formed by then fails",
     )
     open_admission: bool = Field(
-        default=False, description="hand the join key to any peer that reaches a network bind"
+        default=False,
+        description="admit boxes without the join string (muster join --open-admission) to "
+        "this window only: for a network you trust entirely",
     )
     start: StartMode = Field(
         default="auto", description="auto (the clock), manual (`muster start`), or hybrid"

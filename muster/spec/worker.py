@@ -66,9 +66,9 @@ class WalkIn(_Model):
 class WorkerInventory(_Model):
     """One machine an agent runs on."""
 
-    id: str
-    hostname: str
-    advertise_address: str | None = None
+    id: str = Field(max_length=128)
+    hostname: str = Field(max_length=255)
+    advertise_address: str | None = Field(default=None, max_length=255)
     python_version: str = ""
     torch_version: str | None = Field(default=None, description="None when torch is missing")
     torchrun: bool = False
@@ -78,7 +78,7 @@ class WorkerInventory(_Model):
     region: str = "local"
     region_class: str = "local"
     network: NetworkCaps = Field(default_factory=NetworkCaps)
-    labels: dict[str, str] = Field(default_factory=dict)
+    labels: dict[str, str] = Field(default_factory=dict, max_length=64)
     join: WalkIn | None = Field(default=None, description="a walk-in: the window it joins")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -53,6 +54,9 @@ def test_unchanged_files_are_not_read_again_and_a_change_is_seen(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     root = tree(tmp_path / "data", {f"shard/{i}.bin": f"rows {i}" for i in range(20)})
+    past = time.time() - 100  # (a file written in the last 2 s is never cached: see below)
+    for shard in (root / "shard").iterdir():
+        os.utime(shard, (past, past))
     cache = tmp_path / "cache"
     read: list[str] = []
     real_digest = muster.agent.datasig._digest
@@ -69,7 +73,7 @@ def test_unchanged_files_are_not_read_again_and_a_change_is_seen(
     assert read == []  # every digest came from the cache
     changed = root / "shard" / "7.bin"
     changed.write_text("rows 7, amended")
-    os.utime(changed, ns=(changed.stat().st_atime_ns, changed.stat().st_mtime_ns + 10**9))
+    os.utime(changed, (past + 50, past + 50))
     second = data_signature(root, cache)
     assert read == ["7.bin"]
     assert second != first
@@ -94,3 +98,10 @@ def test_a_damaged_cache_is_ignored(tmp_path: Path) -> None:
     for stored in cache.iterdir():
         stored.write_text("not json")
     assert data_signature(root, cache) == honest
+
+
+def test_an_alias_is_listed_under_each_name_in_name_order(tmp_path: Path) -> None:
+    real = tree(tmp_path / "data", {"a/f.bin": "x"})
+    (real / "b").symlink_to(real / "a", target_is_directory=True)
+    copied = tree(tmp_path / "copy", {"a/f.bin": "x", "b/f.bin": "x"})
+    assert data_signature(real) == data_signature(copied)

@@ -20,6 +20,7 @@ from websockets.exceptions import ConnectionClosed
 
 from muster import wire
 from muster.cli.local import LocalCluster
+from muster.client import split_token
 from muster.spec import WorkerInventory
 from muster.spec.worker import WalkIn
 from muster.wire import Kind
@@ -148,13 +149,47 @@ def test_an_open_link_may_only_walk_in_to_its_own_job(
         assert f"admitted to job {open_job}'s window only" in error.body["message"]
         with pytest.raises(ConnectionClosed):
             await asyncio.wait_for(ws.recv(), 10)
+        # A host part that is not a plain name (a newline for the logs): closed.
+        code, codec = await dial(cluster.url, f"open-{open_job}-evil\nhost", open_job)
+        assert (code, codec) == (4401, None)
+        # A box that holds the secret may not take an open- name either.
+        secret, _pin = split_token(cluster.join_token())
+        ws = await connect(cluster.url.replace("http://", "ws://") + "/v1/agents/link")
+        challenge = wire.decode_plain(await ws.recv(), Kind.CHALLENGE)  # type: ignore[arg-type]
+        cnonce, anonce = wire.new_nonce(), str(challenge["nonce"])
+        name = f"open-{open_job}-box-d"
+        proof = wire.auth_proof(secret, cnonce, anonce, name)
+        await ws.send(
+            wire.encode_plain(Kind.AUTH, {"worker_id": name, "nonce": cnonce, "proof": proof})
+        )
+        with pytest.raises(ConnectionClosed):
+            await asyncio.wait_for(ws.recv(), 10)
+        assert ws.close_code == 4401
 
     asyncio.run(attack())
     assert api.window(other)["ranks"] == 0
     assert api.window(open_job)["ranks"] == 0
+
+    async def lingers() -> Any:
+        """An open link that never walks in (sends no INVENTORY)."""
+        ws, codec = await dial(cluster.url, f"open-{open_job}-idle", open_job)
+        assert codec is not None
+        return ws
+
+    async def closed_when_the_window_ends(ws: Any) -> int | None:
+        with pytest.raises(ConnectionClosed):  # (it sends nothing, so nothing comes back)
+            await asyncio.wait_for(ws.recv(), 20)
+        return ws.close_code  # type: ignore[no-any-return]
+
     # The listener goes on serving honest boxes.
     box = open_join(cluster, open_job, "box-d")
     wait_window(api, open_job, "waiting", ranks=1)
-    api.cancel(open_job)
+
+    async def cancel_and_watch() -> int | None:
+        idle = await lingers()
+        await asyncio.to_thread(api.cancel, open_job)
+        return await closed_when_the_window_ends(idle)
+
+    assert asyncio.run(cancel_and_watch()) == 4409  # closed when its window closed
     api.cancel(other)
     assert box.wait(60) == 2  # told the job was cancelled before its world formed
