@@ -64,6 +64,8 @@ SIZES = {
     "ci": Task(samples=2**14, budget_epochs=2, batch=16),
     # minutes: what bench/README.md records
     "quick": Task(hidden=128, samples=2**16, budget_epochs=2, batch=16),
+    # compute-bound enough for the real 2-rank layer (a few ms a batch on one core)
+    "mid": Task(inputs=64, hidden=512, samples=2**15, budget_epochs=2, batch=64),
     # the issue's size (~0.5M parameters, 2^18 samples): hours on a 2-core machine
     "full": Task(inputs=64, hidden=640, samples=2**18, held=4096, batch=128, budget_epochs=3),
 }
@@ -319,6 +321,7 @@ def tune(
     costs: Costs,
     seeds: list[int],
     periods: list[int] | None = None,
+    eval_every_ms: float = 0.0,
 ) -> tuple[Arm, float]:
     """The learning rate (and period) with the least median time to ``target`` on ``seeds``;
     returns the tuned arm and that time (inf when no setting reached it)."""
@@ -329,7 +332,15 @@ def tune(
             times = []
             for seed in seeds:
                 data = make_data(task, seed)
-                curve = run(trial, task, data, costs, seed, stop_at=target(data))
+                curve = run(
+                    trial,
+                    task,
+                    data,
+                    costs,
+                    seed,
+                    stop_at=target(data),
+                    eval_every_ms=eval_every_ms,
+                )
                 reached = curve.first_below(target(data))
                 times.append(math.inf if reached is None else reached)
             times.sort()
