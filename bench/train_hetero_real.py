@@ -3,14 +3,18 @@ arms the replay tuned, in wall time; their ratios are compared with the replay's
 
 Timing hygiene: each rank runs one thread pinned to its own core; the slow rank sleeps k-1
 times its own measured compute after every batch (measured live, so a larger batch sleeps
-longer), and the realized k (the slow rank's wall per batch over its compute) is printed;
+longer), and the realized k (the slow rank's wall time per batch over the fast rank's compute
+per batch, in cadence) is printed;
 arms run in a random order per repetition; held-out losses are evaluated after each arm from
-snapshots (rank 0's model every ~50 ms for DDP and alone, the consensus after every round for
-cadence), off the clock.
+snapshots (rank 0's model every ~20 ms for DDP and alone, the consensus after every round for
+cadence), copied and evaluated off the clock; the time to target is the first snapshot at or
+below it (not interpolated).
 
-Arms: ``alone`` (rank 0 alone), ``ddp-prop`` (torch DDP, speed-proportional batches, each
-rank's loss scaled so the gradient is the mean over all samples), ``cadence`` (muster.train's
-ElChe). ``--arms`` gives each one's learning rate (and anchor, gamma) as the replay tuned them.
+Arms: ``alone`` (rank 0 alone), ``ddp-prop`` (DDP's algorithm with speed-proportional
+batches: each rank's gradient weighted by its share of the samples and all-reduced between
+backward and the step, without DDP's bucket overlap, so that only compute is slowed and not
+the all-reduce's wait), ``cadence`` (muster.train's ElChe). Every arm reads shuffled epochs.
+``--arms`` gives each one's learning rate (and anchor, gamma) as the replay tuned them.
 
     .venv/bin/python bench/train_hetero_real.py --ks 1,2,4 --reps 3 \\
         --arms '{"alone": [0.001], "ddp-prop": [0.002], "cadence": [0.002, 8, 0.5]}'
@@ -37,9 +41,8 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
     from torch import nn
-    from torch.nn.parallel import DistributedDataParallel
 
-    from bench.train_replay import SIZES, Arm, _lr, held_loss, make_data, new_model
+    from bench.train_replay import SIZES, Arm, Stream, _lr, held_loss, make_data, new_model
     from muster.train.elche import ElChe
 
     torch.set_num_threads(1)
@@ -54,56 +57,87 @@ def worker(args: argparse.Namespace) -> None:
     budget = task.budget_epochs * task.samples
     results: dict[str, Any] = {}
 
-    def train(model: nn.Module, opt: torch.optim.Optimizer, x: Any, y: Any, scale: float) -> float:
-        """One batch; returns its compute seconds (the slow rank then sleeps k-1 times it)."""
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        (nn.functional.cross_entropy(model(x), y) * scale).backward()  # type: ignore[no-untyped-call]
-        opt.step()
-        spent = time.perf_counter() - t0
+    def pace(started: float) -> float:
+        """The slow rank sleeps k-1 times the compute since ``started``; returns it."""
+        spent = time.perf_counter() - started
         if slow:
             time.sleep((args.k - 1) * spent)
         return spent
+
+    def train(
+        model: nn.Module,
+        opt: torch.optim.Optimizer,
+        x: Any,
+        y: Any,
+        scale: float = 1.0,
+        reduce: bool = False,
+    ) -> float:
+        """One batch; returns its compute seconds. Only compute is slowed: with ``reduce``
+        (DDP's algorithm) the gradients are all-reduced between backward and the step, and
+        the all-reduce, with its wait for the other rank, is not stretched."""
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        (nn.functional.cross_entropy(model(x), y) * scale).backward()  # type: ignore[no-untyped-call]
+        spent = pace(t0)
+        if reduce:
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat)  # the sum of share-weighted gradients: the mean over all
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+        t1 = time.perf_counter()
+        opt.step()
+        return spent + pace(t1)
 
     def run_arm(name: str, arm: Arm, seed: int, data: Any) -> dict[str, Any]:
         model = new_model(task, seed)
         opt = torch.optim.AdamW(model.parameters(), lr=arm.lr, weight_decay=0.0)
         snaps: list[tuple[float, list[torch.Tensor]]] = []
         compute = wall_batches = 0.0
+        batches = 0
+        paused = [0.0]  # snapshot copies, taken off the clock
         dist.barrier()
         start = time.perf_counter()
 
         def snap(force: bool = False) -> None:
-            now = time.perf_counter() - start
-            if rank == 0 and (force or not snaps or now - snaps[-1][0] >= 0.05):
+            t0 = time.perf_counter()
+            now = t0 - start - paused[0]
+            if rank == 0 and (force or not snaps or now - snaps[-1][0] >= 0.02):
                 snaps.append((now, [p.detach().clone() for p in model.parameters()]))
+            paused[0] += time.perf_counter() - t0
 
         def set_lr(seen: float) -> None:
             for g in opt.param_groups:
                 g["lr"] = _lr(arm, task, seen)
 
         snap(force=True)
-        gen = torch.Generator().manual_seed(seed)
+        stream = Stream(task.samples, seed)  # shuffled epochs, as ElChe deals them
         if name == "alone":
             seen = 0
             while rank == 0 and seen < budget:
-                idx = torch.randint(task.samples, (b,), generator=gen)
+                idx = stream.take(b)
                 set_lr(seen)
-                train(model, opt, data.x[idx], data.y[idx], 1.0)
+                train(model, opt, data.x[idx], data.y[idx])
                 seen += b
                 snap()
         elif name == "ddp-prop":
             fast = round(2 * b * args.k / (args.k + 1))
             mine = fast if rank == 0 else 2 * b - fast
-            ddp = DistributedDataParallel(model)
+            with torch.no_grad():  # the same start on both ranks, as DDP broadcasts it
+                for p in model.parameters():
+                    dist.broadcast(p, src=0)
             seen = 0
             while seen < budget:
-                idx = torch.randint(task.samples, (2 * b,), generator=gen)
+                idx = stream.take(2 * b)
                 part = idx[:fast] if rank == 0 else idx[fast:]
                 set_lr(seen)
                 t0 = time.perf_counter()
-                # DDP averages the ranks' gradients: weigh each by its share of the samples.
-                compute += train(ddp, opt, data.x[part], data.y[part], 2 * mine / (2 * b))
+                # Each rank's gradient weighted by its share of the samples; summed.
+                compute += train(
+                    model, opt, data.x[part], data.y[part], mine / (2 * b), reduce=True
+                )
                 wall_batches += time.perf_counter() - t0
                 seen += 2 * b
                 snap()
@@ -127,13 +161,19 @@ def worker(args: argparse.Namespace) -> None:
                         set_lr(before)
                         before += sum(elche.counts) * b
                     t0 = time.perf_counter()
-                    compute += train(model, opt, data.x[idx], data.y[idx], 1.0)
+                    compute += train(model, opt, data.x[idx], data.y[idx])
                     wall_batches += time.perf_counter() - t0
+                    batches += 1
             snap(force=True)
         dist.barrier()
-        wall = time.perf_counter() - start
-        got = torch.tensor([wall_batches / compute if slow and compute else 1.0])
-        dist.broadcast(got, src=1)
+        wall = time.perf_counter() - start - paused[0]
+        # Realized k: the slow rank's wall time per batch over the fast rank's compute per
+        # batch (cadence's batches; its rounds are outside both).
+        per = torch.zeros(4, dtype=torch.float64)
+        if batches:
+            per[2 * rank : 2 * rank + 2] = torch.tensor([wall_batches, compute]) / batches
+        dist.all_reduce(per)
+        got = per[2] / per[1] if per[1] > 0 else torch.tensor(1.0)
         curve = [(t, held_loss(_load(model, p), data)) for t, p in snaps] if rank == 0 else []
         return {
             "seed": seed,
@@ -171,14 +211,7 @@ def _load(model: Any, params: list[Any]) -> Any:
 
 
 def first_below(curve: list[list[float]], target: float) -> float | None:
-    prev = None
-    for t, loss in curve:
-        if loss <= target:
-            if prev is None or prev[1] == loss:
-                return t
-            return prev[0] + (t - prev[0]) * (prev[1] - target) / (prev[1] - loss)
-        prev = (t, loss)
-    return None
+    return next((t for t, loss in curve if loss <= target), None)
 
 
 def main() -> None:

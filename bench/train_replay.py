@@ -32,6 +32,7 @@ steps), so arms that see samples at different rates decay alike.
 from __future__ import annotations
 
 import math
+import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -135,7 +136,9 @@ class Costs:
 
     @property
     def mean_k(self) -> float:
-        return self.k if self.k_alt is None else (self.k + self.k_alt) / 2
+        """The effective slowdown: the slow rank's mean speed is 1/mean_k of the fast one's
+        (for a switching slowdown, the harmonic mean of the two: half the time at each)."""
+        return self.k if self.k_alt is None else 2 / (1 / self.k + 1 / self.k_alt)
 
 
 @dataclass(frozen=True)
@@ -160,16 +163,13 @@ class Curve:
     points: list[tuple[float, int, float]] = field(default_factory=list)  # ms, samples, loss
 
     def first_below(self, target: float, by: str = "time") -> float | None:
-        """Interpolated time (or samples) at which the loss first reaches ``target``."""
+        """Time (or samples) of the first evaluated point at or below ``target``. Not
+        interpolated: an arm that averages every window has a consensus model only at its
+        windows' ends, and must not be credited with part of a window it has not finished."""
         at = 0 if by == "time" else 1
-        prev: tuple[float, int, float] | None = None
         for point in self.points:
             if point[2] <= target:
-                if prev is None:
-                    return float(point[at])
-                x0, x1, l0, l1 = prev[at], point[at], prev[2], point[2]
-                return float(x0 + (x1 - x0) * (l0 - target) / (l0 - l1))
-            prev = point
+                return float(point[at])
         return None
 
 
@@ -286,6 +286,8 @@ def run(
                     _step(m, o, data, stream.take(b), lr)
             _average(models, [0.5, 0.5])
             clock += period * k * c + ar
+            if arm.name == "sync":
+                clock += costs.alpha_ms  # (ElChe's sync round sends its COUNT too)
             seen += period * 2 * b
             if record(force=arm.name == "local"):
                 break
@@ -343,8 +345,11 @@ def tune(
                 )
                 reached = curve.first_below(target(data))
                 times.append(math.inf if reached is None else reached)
-            times.sort()
-            median = times[len(times) // 2]
+            median = statistics.median(times)
             if median < best_time:
                 best, best_time = trial, median
+    if not math.isfinite(best_time):
+        print(f"  warning: no setting of {arm.label} reached the target; kept {arm.lr:g}")
+    elif best.lr in (min(lrs), max(lrs)):
+        print(f"  warning: {arm.label}'s best learning rate {best.lr:g} is at the grid's edge")
     return best, best_time
