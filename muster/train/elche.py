@@ -34,10 +34,10 @@ maximizes the drift kept, but leans on one model and keeps its noise; equal weig
 average the noise down best but throw away the fast rank's extra steps. 0.5 sits between, and
 it is what the benchmark's replay measures best once each arm's learning rate is tuned (bench/
 README.md, `bench/train_hetero.py`): on the noisy teacher-student task, with the slow rank 4x
-slower, cadence reaches the target at phi 1.04 with gamma 0.5 against 0.77 with gamma 1 (phi:
-0 is as good as dropping the slow rank, 1 is its work fully used) and at 1.02x the speed of
+slower, cadence reaches the target at phi 0.96 with gamma 0.5 against 0.67 with gamma 1 (phi:
+0 is as good as dropping the slow rank, 1 is its work fully used) and at 1.01x the speed of
 proportional-batch DDP; at 2x the two are equal (phi 0.92); when the slowdown moves, 0.5 is
-the best arm. tests/train/test_replay.py pins it.
+among the best. tests/train/test_replay.py pins it.
 """
 
 from __future__ import annotations
