@@ -52,7 +52,7 @@ from bench.train_replay import (
     Curve,
     Data,
     Task,
-    _allreduce_ms,
+    allreduce_ms,
     make_data,
     new_model,
     run,
@@ -256,7 +256,7 @@ def main() -> None:
         # The ideal against DDP: both ranks always busy ((k+1)/2), and no all-reduce per step
         # (DDP pays one each step: k*c + ar instead of k*c).
         step = costs.mean_k * costs.batch_ms
-        ideal = (costs.mean_k + 1) / 2 * (step + _allreduce_ms(new_model(task, 0), costs)) / step
+        ideal = (costs.mean_k + 1) / 2 * (step + allreduce_ms(new_model(task, 0), costs)) / step
         report(name, arms, curves, datas, gaps, costs.mean_k, ideal)
         write_curves(csv_path, name, curves, seeds)
     plot(csv_path, args.out / f"curves-{args.size}.png")

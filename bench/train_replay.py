@@ -223,7 +223,7 @@ def _average(models: list[nn.Module], shares: list[float]) -> None:
                 t.copy_(mean)  # type: ignore[arg-type]
 
 
-def _allreduce_ms(model: nn.Module, costs: Costs) -> float:
+def allreduce_ms(model: nn.Module, costs: Costs) -> float:
     mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
     return costs.alpha_ms + costs.ms_per_mb * mb
 
@@ -246,7 +246,7 @@ def run(
     ranks = 1 if arm.name in ("alone", "ddp", "ddp-prop") else 2
     models = [new_model(task, seed) for _ in range(ranks)]
     opts = [torch.optim.AdamW(m.parameters(), lr=arm.lr, weight_decay=0.0) for m in models]
-    ar = _allreduce_ms(models[0], costs)
+    ar = allreduce_ms(models[0], costs)
     clock, seen = 0.0, 0
     last_eval = -math.inf
     curve.points.append((0.0, 0, held_loss(models[0], data)))

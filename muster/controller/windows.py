@@ -422,7 +422,7 @@ class WindowDesk:
         not in its world have nothing left to do here (one that never walked in, or that
         reports a member of its own invention, would otherwise stay for ever)."""
         for link in list(self.c.links.values()):
-            if getattr(link, "open_job", None) == job and link.worker_id not in keep:
+            if link.open_job == job and link.worker_id not in keep:
                 self.c.close_later(link, CLOSE_REFUSED)
 
     async def _tell_roster(self, entry: WindowEntry, why: str) -> None:
@@ -459,7 +459,7 @@ class WindowDesk:
             await link.send(
                 Kind.JOIN_REPLY, {"job": job, "admitted": admitted, "reason": reason, **more}
             )
-            if getattr(link, "open_job", None) and not admitted and not more.get("waiting"):
+            if link.open_job and not admitted and not more.get("waiting"):
                 # Admitted without the join secret for this window, which has nothing more
                 # for it: the link ends (an honest box leaves on this reply anyway).
                 self.c.close_later(link, CLOSE_REFUSED)

@@ -94,7 +94,9 @@ def test_a_cuda_job_refuses_a_box_with_fewer_gpus_than_ranks() -> None:
 
 
 class FakeLink:
-    def __init__(self) -> None:
+    def __init__(self, worker_id: str = "") -> None:
+        self.worker_id = worker_id
+        self.open_job: str | None = None  # (admitted with the join secret)
         self.sent: list[tuple[Kind, dict[str, Any]]] = []
 
     async def send(self, kind: Kind, body: dict[str, Any]) -> bool:
