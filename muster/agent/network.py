@@ -23,7 +23,14 @@ from typing import Any
 
 from muster.net import cgroup, firewall
 from muster.net.endpoint import public_endpoint
-from muster.net.probe import LISTEN_FOR_S, PairResult, ProbeListener, probe_peers, route_of
+from muster.net.probe import (
+    LISTEN_FOR_S,
+    READINESS_WINDOW_S,
+    PairResult,
+    ProbeListener,
+    probe_peers,
+    route_of,
+)
 from muster.net.wireguard import Device, Peer, device_unavailable
 from muster.plan import MESH_PREFIX
 from muster.spec import MESH_INTERFACE
@@ -393,7 +400,7 @@ class GangNetwork:
         peers = [(int(p["node"]), str(p["addr"]), int(p["port"])) for p in body.get("peers") or []]
         seconds = float(body.get("seconds") or 0)
         # Bounded: each peer gets the connects, the echo and its sample, with room to spare.
-        timeout = len(peers) * (seconds + 30.0)
+        timeout = len(peers) * (seconds + READINESS_WINDOW_S + 20.0)
         try:
             token = bytes.fromhex(str(body.get("token") or ""))
         except ValueError:
@@ -417,16 +424,29 @@ class GangNetwork:
         routed by and, through this agent's device, the endpoint WireGuard uses for it."""
         address = {node: addr for node, addr, _port in peers}
         endpoints: dict[str, str] = {}
+        handshakes: dict[str, float] = {}
+        received: dict[str, int] = {}
         if self.owner is not None:
             with contextlib.suppress(Exception):  # the device went meanwhile
                 endpoints = self.device.endpoints()
+                if any(r.error for r in results):
+                    handshakes, received = self.device.handshakes(), self.device.received()
         taken = []
         for result in results:
             addr = address.get(result.node, "")
             via = route_of(addr) if addr else None
             key = self.peer_keys.get(addr)
             endpoint = endpoints.get(key) if key and via == self.device.name else None
-            taken.append(replace(result, via=via, endpoint=endpoint))
+            error = result.error
+            if error and endpoint is not None and key in handshakes:
+                # What WireGuard saw of the peer: whether the tunnel or what ran in it failed.
+                last = handshakes[key]
+                ago = f"{time.time() - last:.0f}s ago" if last else "never"
+                error += (
+                    f"; WireGuard: last handshake with {endpoint} {ago}, "
+                    f"{received.get(key, 0)} bytes received from it"
+                )
+            taken.append(replace(result, via=via, endpoint=endpoint, error=error))
         return taken
 
     async def probe_close(self, job: str | None = None, epoch: object = None) -> None:

@@ -75,7 +75,9 @@ _M = MemberState
 _FORWARD = (_M.PENDING, _M.ASSIGNED, _M.STARTING, _M.RUNNING, _M.SUCCEEDED)
 _BEFORE_RENDEZVOUS = (JobState.PLACING, JobState.NETWORKING)
 RENDEZVOUS_TIMEOUT_S = 120.0  # node 0 answers PREPARE_RENDEZVOUS within this, or the job fails
-PROBE_PAIR_SLACK_S = 10.0  # a probed pair's connects and echo, beyond its throughput sample
+# A probed pair's connects (up to 25 s when they time out: muster.net.probe's readiness
+# window) and echo, beyond its throughput sample.
+PROBE_PAIR_SLACK_S = 30.0
 # A gang whose network fails before its command starts is placed again (a new epoch, its
 # failed pairs kept apart); in this epoch, it fails instead.
 MAX_NETWORK_EPOCHS = 3

@@ -64,6 +64,49 @@ def test_a_peer_nobody_listens_for_fails_with_the_count_and_the_reason() -> None
     assert results[0].error.startswith("0 of 3 connections to 127.0.0.1:")
 
 
+def test_a_path_that_drops_everything_for_a_while_is_given_the_readiness_window(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Connections that time out (a WireGuard session that lost its first keys drops
+    everything until it shakes hands again) are tried until the window is over; a path
+    that heals inside it passes, one that never does fails, naming the tries and the time."""
+    monkeypatch.setattr(probe, "CONNECT_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(probe, "READINESS_WINDOW_S", 1.5)
+    real = probe._connect
+    dropped = {"left": 4}
+
+    async def blackholed_for_a_while(address: str, port: int) -> object:
+        if dropped["left"] > 0:
+            dropped["left"] -= 1
+            await asyncio.sleep(probe.CONNECT_TIMEOUT_S)
+            raise TimeoutError
+        return await real(address, port)
+
+    monkeypatch.setattr(probe, "_connect", blackholed_for_a_while)
+
+    async def scenario() -> None:
+        listener = ProbeListener()
+        port = await listener.start("127.0.0.1")
+        try:
+            healed = await measure(1, "127.0.0.1", port, 0)
+            assert healed.error is None, healed
+            assert healed.connects == 3
+            dropped["left"] = 100  # never heals
+            started = time.monotonic()
+            broken = await measure(1, "127.0.0.1", port, 0)
+            took = time.monotonic() - started
+        finally:
+            await listener.close()
+            await asyncio.sleep(0.1)  # the readiness connections' handlers end
+        assert broken.connects == 0
+        assert broken.error is not None
+        assert broken.error.startswith("0 of 7 connections to 127.0.0.1:"), broken.error
+        assert "TimeoutError" in broken.error
+        assert 1.2 < took < 2.0  # the window, not the 8-try cap nor the first 3 tries
+
+    asyncio.run(scenario())
+
+
 def test_a_sample_too_short_for_the_receiver_to_time_still_gives_a_rate() -> None:
     async def scenario() -> None:
         listener = ProbeListener()

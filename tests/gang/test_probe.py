@@ -163,7 +163,7 @@ def test_the_probe_deadline_grows_with_the_gang_and_the_sample() -> None:
     workers = tuple(f"w{i}" for i in range(10))
     placed = Placed("job1", 1, workers, PathClass.PRIVATE, probe_seconds=20.0)
     run, _ = step(GangRun(), placed, 0)
-    budget = 120 + 9 * (20 + 10)  # 10 nodes: 9 rounds
+    budget = 120 + 9 * (20 + 30)  # 10 nodes: 9 rounds
     _, actions = step(run, Tick(), budget - 1)
     assert actions == ()
     _, actions = step(run, Tick(), budget + 1)

@@ -162,7 +162,7 @@ def test_a_private_path_the_probe_cannot_cross_is_placed_again_as_direct(rig: Ri
         "apart": [["h1", "h2"]],
     }
     assert "the probe failed from node" in fenced[0]["message"]
-    assert "0 of 3 connections" in fenced[0]["message"]
+    assert re.search(r"0 of \d+ connections", fenced[0]["message"]), fenced[0]["message"]
     placed = [e["data"] for e in job["events"] if e["kind"] == "Placed"]
     assert [(p["epoch"], p["path"]) for p in placed] == [(1, "private"), (2, "direct")]
     probe = [e["data"] for e in job["events"] if e["kind"] == "Probe"]
