@@ -25,7 +25,7 @@ imports: setup
 	$(BIN)/lint-imports
 
 pytest: setup
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=15
 
 test: lint typecheck imports pytest
 

@@ -91,6 +91,39 @@ def worker(args: argparse.Namespace) -> None:
         opt.step()
         return spent + pace(t1)
 
+    def calibrate(model_for_costs: nn.Module, rank: int) -> dict[str, float]:
+        """This machine's costs in the replay's terms (medians, ms): a fast batch's compute
+        (forward, backward, AdamW step of B samples), the latency of a one-number gloo
+        all-reduce (alpha) and the time per MiB of one of the model's size (beta)."""
+        data = make_data(task, 0)
+        opt = torch.optim.AdamW(model_for_costs.parameters(), lr=1e-4)
+        batch = []
+        for i in range(80):
+            idx = torch.arange(i * b, (i + 1) * b) % task.samples
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(model_for_costs(data.x[idx]), data.y[idx]).backward()  # type: ignore[no-untyped-call]
+            opt.step()
+            batch.append(time.perf_counter() - t0)
+
+        def allreduce_ms(tensor: torch.Tensor, times: int) -> float:
+            spent = []
+            for _ in range(times):
+                dist.barrier()
+                t0 = time.perf_counter()
+                dist.all_reduce(tensor)
+                spent.append(time.perf_counter() - t0)
+            return statistics.median(spent) * 1e3
+
+        alpha = allreduce_ms(torch.zeros(1, dtype=torch.float64), 200)
+        flat = torch.zeros(sum(p.numel() for p in model_for_costs.parameters()))
+        full = allreduce_ms(flat, 50)
+        mib = flat.numel() * flat.element_size() / 2**20
+        got = torch.tensor([statistics.median(batch[20:]) * 1e3, alpha, full], dtype=torch.float64)
+        dist.all_reduce(got)  # the two ranks' mean
+        c, alpha, full = (got / 2).tolist()
+        return {"batch_ms": c, "alpha_ms": alpha, "ms_per_mb": max(0.0, full - alpha) / mib}
+
     def run_arm(name: str, arm: Arm, seed: int, data: Any) -> dict[str, Any]:
         model = new_model(task, seed)
         opt = torch.optim.AdamW(model.parameters(), lr=arm.lr, weight_decay=0.0)
@@ -183,6 +216,7 @@ def worker(args: argparse.Namespace) -> None:
             "realized_k": float(got),
         }
 
+    results["calibration"] = calibrate(model_for_costs=new_model(task, 0), rank=rank)
     order = list(specs)
     for rep in range(args.reps):
         data = make_data(task, rep)
@@ -242,21 +276,49 @@ def main() -> None:
             cmd += ["--size", args.size, "--reps", str(args.reps), "--arms", args.arms]
             subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=7200)
             results = json.loads(out.read_text())
+        cal = results.pop("calibration")
         times = {
             name: [first_below(r["curve"], r["h_star"] + args.gap) for r in runs]
             for name, runs in results.items()
         }
         realized = statistics.median(r["realized_k"] for r in results["cadence"])
         print(f"\nk = {k} (realized {realized:.2f}): wall s to H*+{args.gap:g}, {args.reps} reps")
+        print(
+            f"  this machine: a batch {cal['batch_ms']:.2f} ms, all-reduce "
+            f"{cal['alpha_ms']:.2f} ms + {cal['ms_per_mb']:.2f} ms/MiB"
+        )
+        replayed = replay(args, cal, realized)
         for name, ts in times.items():
             shown = ", ".join("-" if t is None else f"{t:.2f}" for t in ts)
-            print(f"  {name:10} {shown}")
-        if all(t is not None for ts in times.values() for t in ts):
-            alone = statistics.median(times["alone"])  # type: ignore[type-var]
-            cad = statistics.median(times["cadence"])  # type: ignore[type-var]
-            prop = statistics.median(times["ddp-prop"])  # type: ignore[type-var]
-            phi = (alone / cad - 1) * float(k)
-            print(f"  phi {phi:.2f}; cadence / ddp-prop speed {prop / cad:.2f}")
+            again = ", ".join("-" if t is None else f"{t:.2f}" for t in replayed[name])
+            print(f"  {name:10} {shown}   (replay with these costs: {again})")
+        for label, got in (("real", times), ("replay", replayed)):
+            if all(t is not None for ts in got.values() for t in ts):
+                alone = statistics.median(got["alone"])  # type: ignore[type-var]
+                cad = statistics.median(got["cadence"])  # type: ignore[type-var]
+                prop = statistics.median(got["ddp-prop"])  # type: ignore[type-var]
+                phi = (alone / cad - 1) * float(k)
+                print(f"  {label:6} phi {phi:.2f}; cadence / ddp-prop speed {prop / cad:.2f}")
+
+
+def replay(args: argparse.Namespace, cal: dict[str, float], k: float) -> dict[str, list[Any]]:
+    """The replay's seconds to the target for the same arms, data and seeds, on a virtual
+    clock set to the costs measured on this machine and the realized slowdown."""
+    from bench.train_replay import SIZES, Arm, Costs, make_data, run
+
+    task = SIZES[args.size]
+    costs = Costs(k=k, **cal)
+    out: dict[str, list[Any]] = {}
+    for name, spec in json.loads(args.arms).items():
+        period = int(spec[1]) if len(spec) > 1 else 8
+        arm = Arm(name, spec[0], period, spec[2] if len(spec) > 2 else 1.0)
+        for rep in range(args.reps):
+            data = make_data(task, rep)
+            target = data.h_star + args.gap
+            reached = run(arm, task, data, costs, rep, stop_at=target, eval_every_ms=20.0)
+            at = reached.first_below(target)
+            out.setdefault(name, []).append(None if at is None else at / 1e3)
+    return out
 
 
 if __name__ == "__main__":

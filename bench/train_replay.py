@@ -19,7 +19,8 @@ Arms (2 ranks; rank 1 is the slow one; every arm's learning rate is its own):
   2B samples): the same updates as ``ddp``, steps as long as the busier rank's share;
 - ``local``: post-local SGD (torch's PeriodicModelAverager): every rank runs ``period`` local
   steps, then the models are averaged equally; the fast rank waits at each average;
-- ``sync``: ElChe sync mode (average every step, optimizer state local);
+- ``sync``: ElChe sync mode: DDP's updates (the gradients are averaged before each step),
+  plus the small COUNT collective of its round after every batch;
 - ``cadence``: ElChe cadence: the slowest rank runs ``anchor`` batches per window, the fast
   one as many as it can in that time (muster.train.schedule with these timings), then a
   realized-work average (muster.train.mass shares, n**gamma).
@@ -243,7 +244,7 @@ def run(
     b = task.batch
     stream = Stream(task.samples, seed)
     curve = Curve(arm)
-    ranks = 1 if arm.name in ("alone", "ddp", "ddp-prop") else 2
+    ranks = 1 if arm.name in ("alone", "ddp", "ddp-prop", "sync") else 2
     models = [new_model(task, seed) for _ in range(ranks)]
     opts = [torch.optim.AdamW(m.parameters(), lr=arm.lr, weight_decay=0.0) for m in models]
     ar = allreduce_ms(models[0], costs)
@@ -270,26 +271,26 @@ def run(
             _step(models[0], opts[0], data, stream.take(b), _lr(arm, task, seen))
             clock += c
             seen += b
-        elif arm.name in ("ddp", "ddp-prop"):
-            # Two ranks' mean gradient over 2B samples is one step on the 2B samples.
+        elif arm.name in ("ddp", "ddp-prop", "sync"):
+            # Two ranks' mean gradient over 2B samples is one step on the 2B samples (ElChe's
+            # sync mode averages the gradients before the step, as DDP does).
             _step(models[0], opts[0], data, stream.take(2 * b), _lr(arm, task, seen))
-            if arm.name == "ddp":
-                clock += k * c + ar
-            else:
+            if arm.name == "ddp-prop":
                 clock += max(c * fast / b, k * c * (2 * b - fast) / b) + ar
+            else:
+                clock += k * c + ar
+            if arm.name == "sync":
+                clock += costs.alpha_ms  # (its round after each batch sends COUNT)
             seen += 2 * b
-        elif arm.name in ("local", "sync"):
-            period = 1 if arm.name == "sync" else arm.period
+        elif arm.name == "local":
             lr = _lr(arm, task, seen)
-            for _ in range(period):
+            for _ in range(arm.period):
                 for m, o in zip(models, opts, strict=True):
                     _step(m, o, data, stream.take(b), lr)
             _average(models, [0.5, 0.5])
-            clock += period * k * c + ar
-            if arm.name == "sync":
-                clock += costs.alpha_ms  # (ElChe's sync round sends its COUNT too)
-            seen += period * 2 * b
-            if record(force=arm.name == "local"):
+            clock += arm.period * k * c + ar
+            seen += arm.period * 2 * b
+            if record(force=True):
                 break
             continue
         else:  # cadence

@@ -36,11 +36,11 @@ import time
 from dataclasses import asdict, dataclass
 
 CONNECT_TIMEOUT_S = 5.0
-# A readiness connection that times out is tried again until this much time has passed
-# since the first: a path that drops everything for a while may still heal before the
-# command starts. WireGuard starts a fresh handshake once a peer has sent for 15 s without
-# hearing back (two members that set each other up at the same instant can lose their first
-# session keys that way). A refused connection is not tried beyond READINESS_CONNECTIONS.
+# On the direct path, a readiness connection that times out is tried again until this much
+# time has passed since the first: WireGuard starts a fresh handshake once a peer has sent
+# for 15 s without hearing back, and two members that set each other up at the same instant
+# can lose their first session keys that way. Elsewhere (and after a refusal) a pair gets
+# READINESS_CONNECTIONS tries.
 READINESS_WINDOW_S = 25.0
 READINESS_MAX_ATTEMPTS = 8
 # The mark (SO_MARK) on the probe's connections: a gang's rules let only its ranks' sockets
@@ -205,16 +205,17 @@ async def _connect(address: str, port: int) -> tuple[asyncio.StreamReader, async
 
 
 async def measure(
-    node: int, address: str, port: int, seconds: float, token: bytes = b""
+    node: int, address: str, port: int, seconds: float, token: bytes = b"", window: float = 0.0
 ) -> PairResult:
-    """Readiness, RTT and (``seconds`` > 0) throughput to one peer."""
+    """Readiness, RTT and (``seconds`` > 0) throughput to one peer; connections that time out
+    are tried again for up to ``window`` seconds (0: READINESS_CONNECTIONS tries)."""
     connects = attempts = 0
     last_error = ""
     first = time.monotonic()
     while connects < READINESS_CONNECTIONS:
         if attempts >= READINESS_CONNECTIONS and (
             not last_error.startswith("TimeoutError")
-            or time.monotonic() - first + CONNECT_TIMEOUT_S > READINESS_WINDOW_S
+            or time.monotonic() - first + CONNECT_TIMEOUT_S > window
             or attempts >= READINESS_MAX_ATTEMPTS
         ):
             break
@@ -340,14 +341,19 @@ async def _throughput(address: str, port: int, seconds: float, token: bytes) -> 
 
 
 async def probe_peers(
-    peers: list[tuple[int, str, int]], seconds: float, timeout: float, token: bytes = b""
+    peers: list[tuple[int, str, int]],
+    seconds: float,
+    timeout: float,
+    token: bytes = b"",
+    window: float = 0.0,
 ) -> list[PairResult]:
-    """Measure each (node, address, port) in turn, within ``timeout`` in all."""
+    """Measure each (node, address, port) in turn, within ``timeout`` in all (``window``: see
+    :func:`measure`)."""
     results: list[PairResult] = []
 
     async def run() -> None:
         for node, address, port in peers:
-            results.append(await measure(node, address, port, seconds, token))
+            results.append(await measure(node, address, port, seconds, token, window))
 
     try:
         await asyncio.wait_for(run(), timeout)

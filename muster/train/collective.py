@@ -4,17 +4,20 @@ One averaging round, on every rank of the process group:
 
 1. COUNT, always: one all_reduce(sum) of a float64 vector in which each rank fills its own
    slots: the batches it realized, its window number, a fingerprint of its model's layout,
-   and the caller's ``side`` values. After it every rank holds every rank's counts, windows
+   whether its steps already applied the cohort's averaged gradients, and the caller's
+   ``side`` values. After it every rank holds every rank's counts, windows
    and layouts, so every rank computes the same weights and takes the same branch below:
    - ranks at different windows, or whose models differ in layout (dtypes, sizes, devices):
      every rank raises ``CohortDiverged`` here, before any model was averaged (a rank that
      left its loop early would otherwise average another window; an fp16 model against bf16
      peers would sum the wrong bits without a word);
    - the cohort idle (every count 0): every rank keeps its local state; nothing more is sent.
-2. PARAM: each rank contributes its floating-point parameters scaled by its share, and the
-   collective sums. A rank's share is ``n_r**gamma / sum_j n_j**gamma`` (an idle rank's is 0:
-   the idle guard), computed in log space from the gathered counts, so no gamma and no count
-   overflows on one rank while the others wait in the collective.
+2. PARAM (skipped when every rank's steps applied averaged gradients, as ElChe's sync mode
+   does: the models are equal already): each rank contributes its floating-point parameters
+   scaled by its share, and the collective sums. A rank's share is
+   ``n_r**gamma / sum_j n_j**gamma`` (an idle rank's is 0: the idle guard), computed in log
+   space from the gathered counts, so no gamma and no count overflows on one rank while the
+   others wait in the collective.
 3. The divergence triple (seed 002), between the two rounds: this rank's distance from the
    consensus, and the norms of its parameters before and of the consensus after.
 4. BUFFER, only if the model has floating-point buffers: the same with mover mass (every rank
@@ -78,7 +81,7 @@ class RoundResult:
     counts: tuple[int, ...]  # the batches every rank realized this window
     weight: float  # this rank's share of the parameter average (0: it did no work)
     movers: int  # ranks that did any work
-    divergence: Divergence | None  # None when the round realized nothing
+    divergence: Divergence | None  # None when no parameters were averaged
 
 
 def _floating(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
@@ -249,6 +252,31 @@ def weighted_sum(
     return count
 
 
+def average_gradients(
+    model: nn.Module,
+    group: Any = None,
+    *,
+    bucket_bytes: int = BUCKET_BYTES,
+    trace: Trace | None = None,
+) -> int:
+    """Replace every trainable floating-point parameter's gradient, in place, by the mean of
+    the cohort's (a parameter this rank's loss did not reach counts as a zero gradient, as
+    under DDP); returns the number of collectives. Every rank of the group must call it, on
+    the same model layout: it is DDP's gradient all-reduce, so an optimizer stepped after it
+    makes the same update on every rank, whatever its state (momentum, Adam's moments)."""
+    backend = str(dist.get_backend(group))
+    world = dist.get_world_size(group)
+    grads = []
+    for param in model.parameters():
+        if param.requires_grad and param.is_floating_point():
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            grads.append(param.grad)
+    return weighted_sum(
+        grads, 1.0 / world, group, backend, bucket_bytes=bucket_bytes, trace=trace, label="GRAD"
+    )
+
+
 def layout_of(params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]) -> int:
     """A 32-bit fingerprint of what a round reduces (each tensor's dtype, size and device
     type, in order): ranks whose fingerprints differ would pair the wrong bytes."""
@@ -264,6 +292,7 @@ def average_round(
     side: torch.Tensor | None = None,
     *,
     window: int | None = None,
+    in_step: bool = False,
     bucket_bytes: int = BUCKET_BYTES,
     trace: Trace | None = None,
 ) -> RoundResult:
@@ -273,6 +302,9 @@ def average_round(
     collective and is replaced by its sum over the group (the ElChe timing exchange uses it,
     so a window costs no extra collective). ``window``: this rank's window number; a cohort
     whose ranks disagree raises CohortDiverged on every rank before anything is averaged.
+    ``in_step``: this rank's parameters already equal its peers' (every step of the window
+    applied the cohort's averaged gradients, see :func:`average_gradients`); PARAM is skipped
+    when every rank says so (COUNT carries it), and runs on all of them otherwise.
     """
     if not math.isfinite(gamma) or not 0.0 <= gamma <= MAX_GAMMA:
         raise UserError(f"gamma must be between 0 and {MAX_GAMMA:g}; got {gamma!r}")
@@ -284,10 +316,11 @@ def average_round(
         first = params[0].device if params else None
         device = first if first is not None and first.type == "cuda" else torch.device("cuda")
     extra = side.tolist() if side is not None else []
-    head = [0.0] * (3 * world)
+    head = [0.0] * (4 * world)
     head[rank] = float(max(0, batches))
     head[world + rank] = float(window + 1) if window is not None else 0.0
     head[2 * world + rank] = float(layout_of(params, buffers))
+    head[3 * world + rank] = 1.0 if in_step else 0.0
     count = torch.tensor(head + extra, dtype=torch.float64, device=device)
     if trace is not None:
         trace(f"enter COUNT (window {window})")
@@ -296,7 +329,7 @@ def average_round(
         trace(f"exit COUNT (window {window})")
     gathered = count.tolist()
     if side is not None:
-        side.copy_(torch.tensor(gathered[3 * world :], dtype=torch.float64))
+        side.copy_(torch.tensor(gathered[4 * world :], dtype=torch.float64))
     counts = tuple(int(c) for c in gathered[:world])
     windows = [int(w) - 1 for w in gathered[world : 2 * world]]  # (-1: no window given)
     mine = windows[rank]
@@ -319,18 +352,21 @@ def average_round(
     movers = sum(1 for c in counts if c > 0)
     if movers == 0:
         return RoundResult(False, 1, counts, 0.0, 0, None)
-    sums = _Sums()
-    collectives = 1 + weighted_sum(
-        params,
-        shares[rank],
-        group,
-        backend,
-        bucket_bytes=bucket_bytes,
-        sums=sums,
-        trace=trace,
-        label="PARAM",
-    )
-    divergence = sums.divergence()  # between the rounds: the buffers cannot mask it
+    collectives = 1
+    divergence = None
+    if not all(gathered[3 * world : 4 * world]):
+        sums = _Sums()
+        collectives += weighted_sum(
+            params,
+            shares[rank],
+            group,
+            backend,
+            bucket_bytes=bucket_bytes,
+            sums=sums,
+            trace=trace,
+            label="PARAM",
+        )
+        divergence = sums.divergence()  # between the rounds: the buffers cannot mask it
     if buffers:
         collectives += weighted_sum(
             buffers,

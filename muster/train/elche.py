@@ -12,8 +12,15 @@ rank weighted by the work it realized (``n ** gamma`` batches). Under ``torchrun
             elche.step(loss_fn(model(x), y))   # zero_grad, backward, optimizer.step
 
 Modes:
-- ``sync``: one batch per rank, then an average (every step, like DDP; SGD without momentum
-  gives the same updates as DDP; the optimizer's state stays local);
+- ``sync``: DDP's algorithm: one batch per rank, and ``step`` all-reduces the gradients
+  (their mean) before the optimizer steps, so every rank makes DDP's update whatever the
+  optimizer (momentum, Adam) and the models never drift apart; the round after each batch
+  only checks the cohort and averages floating-point buffers. An epoch's last batches that
+  would leave a rank without one wait for the next epoch (``DistributedSampler(drop_last=
+  True)``). Every rank calls ``step`` once for every batch (a rank that skips it leaves
+  the others waiting in the gradient all-reduce, as under DDP); a loop that steps by hand
+  on every rank (its own backward and optimizer step) is averaged by parameters after each
+  batch instead;
 - ``cadence``: the ElChe schedule: the slowest rank runs ``anchor_batches`` per window, faster
   ranks range ahead in proportion to their delivered per-batch cost;
 - ``async`` (cadence without the window barrier) needs the CPU star backend, which is not
@@ -54,7 +61,13 @@ import torch.distributed as dist
 from torch import nn
 
 from muster.errors import UserError
-from muster.train.collective import RoundResult, Trace, average_round, debug_trace
+from muster.train.collective import (
+    RoundResult,
+    Trace,
+    average_gradients,
+    average_round,
+    debug_trace,
+)
 from muster.train.mass import MAX_GAMMA
 from muster.train.sampler import WindowSampler
 from muster.train.schedule import ElCheSchedule, WindowReport, WindowSummary
@@ -74,8 +87,16 @@ class AverageBackend(Protocol):
     """How a round averages the model: the collective backend today, the CPU star later."""
 
     def round(
-        self, model: nn.Module, batches: int, gamma: float, side: torch.Tensor, window: int
+        self,
+        model: nn.Module,
+        batches: int,
+        gamma: float,
+        side: torch.Tensor,
+        window: int,
+        in_step: bool = False,
     ) -> RoundResult: ...
+
+    def gradients(self, model: nn.Module) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -86,11 +107,27 @@ class CollectiveBackend:
     trace: Trace | None = None
 
     def round(
-        self, model: nn.Module, batches: int, gamma: float, side: torch.Tensor, window: int
+        self,
+        model: nn.Module,
+        batches: int,
+        gamma: float,
+        side: torch.Tensor,
+        window: int,
+        in_step: bool = False,
     ) -> RoundResult:
         return average_round(
-            model, batches, gamma, self.group, side, window=window, trace=self.trace
+            model,
+            batches,
+            gamma,
+            self.group,
+            side,
+            window=window,
+            in_step=in_step,
+            trace=self.trace,
         )
+
+    def gradients(self, model: nn.Module) -> None:
+        average_gradients(model, self.group, trace=self.trace)
 
 
 class Stopwatch:
@@ -197,6 +234,7 @@ class ElChe:
         self.batches_run = 0  # batches this rank ran, all epochs
         self.round_ms = 0.0  # time spent in rounds: waiting for the cohort plus the collectives
         self.last_round: RoundResult | None = None
+        self._stepped = 0  # batches of the current window stepped through ``step``
         self._broadcast_initial_state()
 
     def _broadcast_initial_state(self) -> None:
@@ -208,10 +246,7 @@ class ElChe:
 
     def _plan(self, left: int) -> list[int]:
         if self.mode == "sync":
-            counts = [1] * self.world
-            for rank in range(left, self.world):
-                counts[rank] = 0  # the epoch's last few batches do not go round
-            return counts
+            return [1] * self.world
         return self.schedule.batch_counts(epoch_remaining=left)
 
     @overload
@@ -229,11 +264,13 @@ class ElChe:
         """
         self.sampler.start_epoch(epoch)
         finished = False
+        least = self.world if self.mode == "sync" else 1  # (sync: a batch for every rank)
         try:
-            while (left := self.sampler.remaining_batches) > 0:
+            while (left := self.sampler.remaining_batches) >= least:
                 self.counts = self._plan(left)
                 mine = self.sampler.deal(self.counts)
                 watch = Stopwatch(self.device)
+                self._stepped = 0
                 for indices in mine:
                     item = fetch(indices) if fetch is not None else indices
                     watch.ready()
@@ -250,10 +287,14 @@ class ElChe:
                 self.window += 1
 
     def step(self, loss: torch.Tensor) -> None:
-        """The usual step: zero the gradients, backpropagate ``loss``, step the optimizer."""
+        """The usual step: zero the gradients, backpropagate ``loss``, step the optimizer (in
+        sync mode, on the cohort's mean gradient: every rank must call it for every batch)."""
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()  # type: ignore[no-untyped-call]
+        if self.mode == "sync":
+            self.backend.gradients(self.model)
         self.optimizer.step()
+        self._stepped += 1
 
     def _round(self, mine: WindowSummary) -> None:
         side = torch.zeros(self.world * _SLOTS, dtype=torch.float64)
@@ -269,7 +310,10 @@ class ElChe:
         )
         started = time.perf_counter()
         # (CohortDiverged, raised on every rank, when a rank is at another window)
-        result = self.backend.round(self.model, mine.batches, self.gamma, side, self.window)
+        in_step = self.mode == "sync" and self._stepped == mine.batches
+        result = self.backend.round(
+            self.model, mine.batches, self.gamma, side, self.window, in_step
+        )
         self.last_round = result
         self.round_ms += (time.perf_counter() - started) * 1e3
         rows = side.view(self.world, _SLOTS).tolist()

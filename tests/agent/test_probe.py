@@ -71,7 +71,6 @@ def test_a_path_that_drops_everything_for_a_while_is_given_the_readiness_window(
     everything until it shakes hands again) are tried until the window is over; a path
     that heals inside it passes, one that never does fails, naming the tries and the time."""
     monkeypatch.setattr(probe, "CONNECT_TIMEOUT_S", 0.2)
-    monkeypatch.setattr(probe, "READINESS_WINDOW_S", 1.5)
     real = probe._connect
     dropped = {"left": 4}
 
@@ -88,13 +87,15 @@ def test_a_path_that_drops_everything_for_a_while_is_given_the_readiness_window(
         listener = ProbeListener()
         port = await listener.start("127.0.0.1")
         try:
-            healed = await measure(1, "127.0.0.1", port, 0)
+            healed = await measure(1, "127.0.0.1", port, 0, window=1.5)
             assert healed.error is None, healed
             assert healed.connects == 3
             dropped["left"] = 100  # never heals
             started = time.monotonic()
-            broken = await measure(1, "127.0.0.1", port, 0)
+            broken = await measure(1, "127.0.0.1", port, 0, window=1.5)
             took = time.monotonic() - started
+            dropped["left"] = 100
+            without = await measure(1, "127.0.0.1", port, 0)  # no window: three tries
         finally:
             await listener.close()
             await asyncio.sleep(0.1)  # the readiness connections' handlers end
@@ -103,6 +104,8 @@ def test_a_path_that_drops_everything_for_a_while_is_given_the_readiness_window(
         assert broken.error.startswith("0 of 7 connections to 127.0.0.1:"), broken.error
         assert "TimeoutError" in broken.error
         assert 1.2 < took < 2.0  # the window, not the 8-try cap nor the first 3 tries
+        assert without.error is not None
+        assert without.error.startswith("0 of 3 connections"), without.error
 
     asyncio.run(scenario())
 

@@ -3,8 +3,9 @@
 argv: OUT_DIR SCENARIO, with SCENARIO one of
 - cadence: rank 1 three times slower; per window, the counts and this rank's sample indices;
   per epoch, a digest of the parameters;
-- sync: ElChe sync next to torch DDP on the same batches (SGD without momentum); then an
-  epoch of 5 batches, whose last window leaves rank 1 without a batch;
+- sync: ElChe sync next to torch DDP on the same batches (AdamW: state that parameter
+  averaging would not keep equal); then an epoch of 5 batches, whose fifth would leave
+  rank 1 without one; then a loop that steps by hand (no ``elche.step``);
 - diverge: rank 0 breaks out of its loop mid-window and carries on with the next epoch.
 """
 
@@ -63,8 +64,8 @@ def sync(rank: int) -> dict[str, object]:
     model = nn.Sequential(nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 1))
     twin = DistributedDataParallel(nn.Sequential(nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 1)))
     twin.module.load_state_dict(model.state_dict())
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    twin_optimizer = torch.optim.SGD(twin.parameters(), lr=0.05)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    twin_optimizer = torch.optim.AdamW(twin.parameters(), lr=0.01)
     x, y = data(6 * 32)
     elche = ElChe(model, optimizer, dataset_size=len(x), batch_size=32, mode="sync")
     for epoch in range(2):
@@ -90,6 +91,17 @@ def sync(rank: int) -> dict[str, object]:
         counts.append(list(elche.counts))
         elche.step(nn.functional.mse_loss(model(x[indices]), y[indices]))
     result.update(tail_counts=counts, tail_windows=elche.window, tail_params=params(model))
+    # Stepped by hand: each rank's own gradient and step; the round averages the parameters.
+    elche = ElChe(model, optimizer, dataset_size=len(x), batch_size=32, mode="sync")
+    for indices in elche.epoch(0):
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x[indices]), y[indices]).backward()
+        optimizer.step()
+    assert elche.last_round is not None
+    result.update(
+        by_hand_params=params(model),
+        by_hand_averaged=elche.last_round.divergence is not None,
+    )
     return result
 
 

@@ -72,21 +72,29 @@ def sync(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return run(tmp_path_factory, "sync")
 
 
-def test_sync_mode_matches_ddp(sync: list[dict[str, Any]]) -> None:
+def test_sync_mode_matches_ddp_with_adamw(sync: list[dict[str, Any]]) -> None:
+    """Gradients are averaged before the optimizer steps, so Adam's moments stay equal on
+    every rank and each update is DDP's (averaging parameters after local Adam steps is not)."""
     a, b = sync
     assert a["windows"] == b["windows"] == 6  # 3 windows of one batch per rank, 2 epochs
     assert a["params"] == b["params"]
     assert a["params"] == pytest.approx(a["ddp"], rel=1e-5, abs=1e-6)
 
 
-def test_sync_tail_window_leaves_a_rank_idle_without_moving_the_average(
-    sync: list[dict[str, Any]],
-) -> None:
+def test_sync_leaves_no_rank_idle_at_the_end_of_an_epoch(sync: list[dict[str, Any]]) -> None:
+    """5 batches for 2 ranks: the fifth waits for the next epoch (drop_last, as
+    DistributedSampler(drop_last=True)), so no rank waits in a gradient all-reduce alone."""
     a, b = sync
-    assert a["tail_counts"] == [[1, 1], [1, 1], [1, 0]]
-    assert b["tail_counts"] == [[1, 1], [1, 1]]  # rank 1 had no batch in the last window
-    assert a["tail_windows"] == b["tail_windows"] == 3
+    assert a["tail_counts"] == b["tail_counts"] == [[1, 1], [1, 1]]
+    assert a["tail_windows"] == b["tail_windows"] == 2
     assert a["tail_params"] == b["tail_params"]
+
+
+def test_sync_stepped_by_hand_still_averages(sync: list[dict[str, Any]]) -> None:
+    a, b = sync
+    assert a["by_hand_averaged"] is b["by_hand_averaged"] is True
+    assert a["by_hand_params"] == b["by_hand_params"]
+    assert a["by_hand_params"] != a["tail_params"]  # (and it trained)
 
 
 def test_a_rank_out_of_step_is_caught_at_the_round(
