@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shlex
 from dataclasses import replace
 from pathlib import Path
@@ -68,9 +69,10 @@ def options(
     efa_count: int | None = None,
     node_selector: list[str] | None = None,
     toleration: list[str] | None = None,
-    nccl_env: str = "inline",
+    nccl_env: str = "profile",
     nccl_debug: str | None = None,
     tcpxo_daemon_image: str | None = None,
+    socket_ifname: str = "eth0",
 ) -> RenderOptions:
     errors = []
     if fabric not in FABRICS:
@@ -79,6 +81,14 @@ def options(
         errors.append(FieldError("--trainer-version", f"{trainer_version!r}: choose 2.2 or 2.3"))
     if nccl_env not in ("inline", "profile"):
         errors.append(FieldError("--nccl-env", f"{nccl_env!r}: choose inline or profile"))
+    if not re.fullmatch(r"[A-Za-z0-9_.:-]{1,15}", socket_ifname):
+        errors.append(
+            FieldError(
+                "--socket-ifname",
+                f"{socket_ifname!r} is not an interface name: give what `ip route get` names "
+                "inside a pod (eth0 under the default CNI)",
+            )
+        )
     if errors:
         raise SpecError(errors, source="muster k8s")
     networks = tuple(n.strip() for n in (gpu_nic_networks or "").split(",") if n.strip())
@@ -94,6 +104,7 @@ def options(
         nccl_env=nccl_env,  # type: ignore[arg-type]
         nccl_debug=nccl_debug,
         tcpxo_daemon_image=tcpxo_daemon_image or fab.TCPXO_DAEMON_IMAGE,
+        socket_ifname=socket_ifname,
     )
 
 
@@ -107,7 +118,15 @@ EfaOpt = typer.Option(None, "--efa-count", help="efa: EFA devices per node")
 SelectorOpt = typer.Option([], "--node-selector", help="KEY=VALUE (repeat)")
 TolerationOpt = typer.Option([], "--toleration", help="KEY[=VALUE][:EFFECT] (repeat)")
 NcclEnvOpt = typer.Option(
-    "inline", "--nccl-env", help="tcpxo: NCCL values inline, or `profile` (source the plugin's)"
+    "profile",
+    "--nccl-env",
+    help="tcpxo: source the NCCL plugin's own profile at start, or `inline` (muster's "
+    f"transcription for plugin {fab.TCPXO_PLUGIN})",
+)
+IfnameOpt = typer.Option(
+    "eth0",
+    "--socket-ifname",
+    help="efa/ib: the pod interface NCCL bootstraps on (what `ip route get` names in a pod)",
 )
 NcclDebugOpt = typer.Option(
     None, "--nccl-debug", help="set NCCL_DEBUG (INFO for a `muster verify-fabric` run)"
@@ -138,6 +157,7 @@ def render_cmd(
     nccl_env: str = NcclEnvOpt,
     nccl_debug: str | None = NcclDebugOpt,
     tcpxo_daemon_image: str | None = DaemonOpt,
+    socket_ifname: str = IfnameOpt,
 ) -> None:
     """Print the Kubeflow Trainer objects for a job (a YAML stream for kubectl apply -f -)."""
     spec = load_job_file(job_file)
@@ -153,6 +173,7 @@ def render_cmd(
         nccl_env,
         nccl_debug,
         tcpxo_daemon_image,
+        socket_ifname,
     )
     rendered = render(spec, opts)
     _warn(rendered.warnings)
@@ -236,6 +257,7 @@ def apply_cmd(
     nccl_env: str = NcclEnvOpt,
     nccl_debug: str | None = NcclDebugOpt,
     tcpxo_daemon_image: str | None = DaemonOpt,
+    socket_ifname: str = IfnameOpt,
     context: str | None = ContextOpt,
 ) -> None:
     """Render and apply server-side (field manager muster); reads what is left out."""
@@ -252,6 +274,7 @@ def apply_cmd(
         nccl_env,
         nccl_debug,
         tcpxo_daemon_image,
+        socket_ifname,
     )
     cluster = Cluster.connect(namespace, context)
     if (fabric == "efa" and efa_count is None) or (fabric == "tcpxo" and not gpu_nic_networks):

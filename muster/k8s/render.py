@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -48,9 +49,13 @@ class RenderOptions:
     efa_count: int | None = None
     node_selector: dict[str, str] = field(default_factory=dict)
     tolerations: tuple[dict[str, str], ...] = ()
-    nccl_env: Literal["inline", "profile"] = "inline"  # tcpxo: values inline, or source the profile
+    # tcpxo: source the plugin's own profile at start (the seed's way), or values inline
+    nccl_env: Literal["inline", "profile"] = "profile"
     nccl_debug: str | None = None  # e.g. INFO for a verify-fabric run
     tcpxo_daemon_image: str = fab.TCPXO_DAEMON_IMAGE
+    # efa/ib: the pod's interface for NCCL's bootstrap sockets (what `ip route get` names in
+    # a pod; eth0 under the default CNI, another under hostNetwork or a second CNI)
+    socket_ifname: str = "eth0"
 
 
 @dataclass
@@ -81,6 +86,58 @@ def _env(items: dict[str, str]) -> list[dict[str, str]]:
 def _command(spec: JobSpec) -> list[str]:
     module = spec.module
     return ["torchrun", "-m", module] if module else ["torchrun", spec.entrypoint]
+
+
+def _wrapped(prelude: str, spec: JobSpec) -> list[str]:
+    """``torchrun ENTRY ARGS`` started by bash after ``prelude``: the entrypoint quoted (a
+    space or a shell character in it is a word, never code), the job's args passed as
+    positional parameters ("$@": ``trainer.args`` follow the command untouched)."""
+    entry = shlex.join(_command(spec))
+    return ["/bin/bash", "-c", f'{prelude} && exec {entry} "$@"', "torchrun"]
+
+
+# Fields the controller acts on that a Trainer job has no place for: named when a spec sets them.
+DROPPED = {
+    "workdir": "the pods run the image's code; nothing is packed or uploaded",
+    "output_dir": "MUSTER_OUTPUT_DIR points at it in every pod, but nothing collects it at the "
+    "end: mount a volume there or write to object storage",
+    "priority": "Trainer has no job priority: use a PriorityClass or a Kueue queue",
+    "retries": "Trainer does not resubmit a failed TrainJob",
+    "distributed.rendezvous.port": "Trainer picks the rendezvous port (PET_MASTER_PORT)",
+    "distributed.network": "the pods use the cluster's network and the chosen --fabric",
+    "distributed.transport": "the pods use the cluster's network and the chosen --fabric",
+    "distributed.probe_seconds": "no path probe runs before the pods start",
+}
+
+
+def _set_fields(spec: JobSpec) -> set[str]:
+    """The dotted names of the fields the spec's file set (not defaults)."""
+    found = set(spec.model_fields_set)
+    gang = spec.distributed
+    if gang is not None:
+        found |= {f"distributed.{name}" for name in gang.model_fields_set}
+        found |= {f"distributed.rendezvous.{name}" for name in gang.rendezvous.model_fields_set}
+    return found
+
+
+def _dropped(spec: JobSpec) -> list[str]:
+    given = _set_fields(spec)
+    return [
+        f"{name} is not carried to Kubernetes: {why}"
+        for name, why in DROPPED.items()
+        if name in given
+    ]
+
+
+def _under_use(spec: JobSpec) -> str | None:
+    """Why the pods would leave GPUs idle (fewer ranks per node than GPUs), or None."""
+    gpus, procs = spec.resources.gpus, spec.gang.procs_per_worker
+    if gpus <= procs:
+        return None
+    return (
+        f"distributed.procs_per_worker is {procs}, so {procs} rank(s) drive {procs} of the "
+        f"{gpus} GPUs of each node (resources.gpus): set procs_per_worker: {gpus}, one rank per GPU"
+    )
 
 
 def _refuse(errors: list[FieldError]) -> None:
@@ -117,6 +174,9 @@ def _validate(spec: JobSpec, options: RenderOptions) -> None:
                 )
             )
     gpus = spec.resources.gpus
+    under = _under_use(spec)
+    if under is not None and options.fabric != "none":
+        errors.append(FieldError("distributed.procs_per_worker", under))
     if options.fabric != "none" and gpus == 0:
         errors.append(
             FieldError("resources.gpus", f"the {options.fabric} fabric is for GPU nodes: set it")
@@ -166,16 +226,29 @@ def _check_networks(networks: list[str]) -> list[FieldError]:
     return errors
 
 
+def _job_env(spec: JobSpec) -> dict[str, str]:
+    """What every rank gets under the controller too: the user's env, one OpenMP thread per
+    rank unless the job says otherwise, and MUSTER_OUTPUT_DIR (relative to the image's
+    working directory)."""
+    env = dict(spec.env)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["MUSTER_OUTPUT_DIR"] = spec.output_dir
+    return env
+
+
 def _trainer_env(spec: JobSpec, options: RenderOptions, warnings: list[str]) -> dict[str, str]:
-    """The user's env, then the fabric's: fixed variables win (with a warning), others are
-    defaults the user may override."""
+    """The job's env, then the fabric's: fixed variables win (with a warning), others are
+    defaults the user may override. EFA's plugin directory is not here: it is prepended to
+    the image's own LD_LIBRARY_PATH at start (a pod's value would hide the image's)."""
     fixed_by_fabric = {
         "none": {},
         "tcpxo": {},  # tcpxo wiring lives in the runtime
-        "efa": fab.EFA_ENV,
+        "efa": {k: v for k, v in fab.EFA_ENV.items() if k != "LD_LIBRARY_PATH"},
         "ib": fab.IB_ENV,
     }[options.fabric]
-    env = dict(spec.env)
+    if "NCCL_SOCKET_IFNAME" in fixed_by_fabric:
+        fixed_by_fabric = {**fixed_by_fabric, "NCCL_SOCKET_IFNAME": options.socket_ifname}
+    env = _job_env(spec)
     fixed = fab.FIXED[options.fabric]
     for name, value in fixed_by_fabric.items():
         if name in env and env[name] != value and name in fixed:
@@ -322,14 +395,14 @@ def render(spec: JobSpec, options: RenderOptions) -> Rendered:
         objects.append(runtime)
         ref = {"name": runtime_name, "kind": "TrainingRuntime", "apiGroup": GROUP}
         if options.nccl_env == "profile":
-            entry = " ".join(_command(spec)[1:])
-            trainer["command"] = [
-                "/bin/bash",
-                "-c",
-                f'source {fab.TCPXO_PROFILE} && exec torchrun {entry} "$@"',
-                "torchrun",
-            ]
-        env = dict(spec.env)
+            trainer["command"] = _wrapped(f"source {fab.TCPXO_PROFILE}", spec)
+        else:
+            warnings.append(
+                "--nccl-env inline: the NCCL values are muster's transcription of the profile "
+                f"released with the TCPXO NCCL plugin {fab.TCPXO_PLUGIN}; a cluster on another "
+                "plugin version needs its own (the default, profile, sources the plugin's)"
+            )
+        env = _job_env(spec)
         if options.nccl_debug:
             env["NCCL_DEBUG"] = options.nccl_debug
         patch = None
@@ -350,6 +423,25 @@ def render(spec: JobSpec, options: RenderOptions) -> Rendered:
                     f"repeats every resource the node needs ({', '.join(resources['limits'])})"
                 )
         patch = _node_patch(options)
+        if options.fabric == "efa":
+            plugin = fab.EFA_ENV["LD_LIBRARY_PATH"]
+            if "LD_LIBRARY_PATH" not in spec.env:  # (a user's own value stands as given)
+                image_path = "${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"  # the image's, kept
+                trainer["command"] = _wrapped(
+                    f'export LD_LIBRARY_PATH="{plugin}{image_path}"', spec
+                )
+    if options.fabric in ("none", "efa", "ib"):
+        under = _under_use(spec)
+        if under is not None:  # (refused for the fabrics, which are for full nodes)
+            warnings.append(under)
+    if options.fabric == "tcpxo" and not (options.node_selector or options.tolerations):
+        warnings.append(
+            "no --node-selector or --toleration: the runtime inherits no placement, so the "
+            "pods may stay Pending on tainted GPU nodes or land on a pool without TCPXO "
+            "(e.g. --node-selector cloud.google.com/gke-accelerator=nvidia-h100-mega-80gb "
+            "--toleration nvidia.com/gpu:NoSchedule)"
+        )
+    warnings += _dropped(spec)
     if env:
         trainer["env"] = _env(env)
     if options.fabric == "efa":

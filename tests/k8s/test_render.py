@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -114,7 +115,8 @@ def test_none_is_a_trainjob_against_torch_distributed() -> None:
 
 
 def test_tcpxo_runtime_carries_the_wiring_and_the_trainjob_none() -> None:
-    objects, _ = rendered("tcpxo", "2.2")
+    objects, warnings = rendered("tcpxo", "2.2", nccl_env="inline")
+    assert any("NCCL plugin v1.0.15" in w and "--nccl-env inline" in w for w in warnings)
     runtime, job = by_kind(objects, "TrainingRuntime"), by_kind(objects, "TrainJob")
     assert [o["kind"] for o in objects] == ["TrainingRuntime", "TrainJob"]
     node = runtime["spec"]["template"]["spec"]["replicatedJobs"][0]
@@ -156,7 +158,8 @@ def test_tcpxo_runtime_carries_the_wiring_and_the_trainjob_none() -> None:
 
 
 def test_tcpxo_profile_mode_sources_the_plugins_env_at_start_up() -> None:
-    objects, _ = rendered("tcpxo", "2.3", nccl_env="profile")
+    objects, warnings = rendered("tcpxo", "2.3")  # the default, as seed 004 has it
+    assert not any("--nccl-env inline" in w for w in warnings)
     runtime, job = by_kind(objects, "TrainingRuntime"), by_kind(objects, "TrainJob")
     worker = runtime["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"][
         "template"
@@ -166,6 +169,8 @@ def test_tcpxo_profile_mode_sources_the_plugins_env_at_start_up() -> None:
     assert command[:2] == ["/bin/bash", "-c"]
     assert "source /usr/local/nvidia/lib64/nccl-env-profile.sh" in command[2]
     assert "exec torchrun -m train.finetune" in command[2]
+    assert command[3] == "torchrun"  # $0; the job's args follow as "$@"
+    assert job["spec"]["trainer"]["args"] == ["--epochs", "3"]
 
 
 def test_efa_repeats_every_resource_and_sets_ipc_lock_by_patch() -> None:
@@ -177,7 +182,15 @@ def test_efa_repeats_every_resource_and_sets_ipc_lock_by_patch() -> None:
     env = env_of(job)
     assert env["FI_EFA_FORK_SAFE"] == "1"
     assert env["NCCL_SOCKET_IFNAME"] == "eth0"
-    assert env["LD_LIBRARY_PATH"] == "/opt/amazon/ofi-nccl/lib/x86_64-linux-gnu"
+    # The plugin's directory goes in front of the image's own path at start: a pod value
+    # would hide the image's ENV.
+    assert "LD_LIBRARY_PATH" not in env
+    command = job["spec"]["trainer"]["command"]
+    assert command[:2] == ["/bin/bash", "-c"]
+    assert command[2].startswith(
+        'export LD_LIBRARY_PATH="/opt/amazon/ofi-nccl/lib/x86_64-linux-gnu'
+        '${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" && exec torchrun -m train.finetune'
+    )
     (patch,) = job["spec"]["runtimePatches"]
     assert patch["manager"] == "muster.dev/fabric"
     pod = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"][
@@ -316,3 +329,103 @@ def test_a_runtime_without_the_ancestor_label_is_refused() -> None:
     runtime["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["metadata"] = {}
     with pytest.raises(SpecError, match="trainjob-ancestor-step"):
         check([runtime], runtime=runtime, trainer_version="2.3")
+
+
+@pytest.mark.parametrize("fabric", ["tcpxo", "efa", "ib"])
+def test_a_fabric_refuses_fewer_ranks_than_gpus_naming_both_fields(fabric: str) -> None:
+    """gpus: 8 without procs_per_worker would run one rank on one GPU of eight."""
+    job = dict(JOB, distributed={"num_workers": 2, "backend": "nccl"})
+    options = RenderOptions(fabric=fabric, **FABRIC_OPTIONS[fabric])  # type: ignore[arg-type]
+    with pytest.raises(SpecError) as caught:
+        render(parse_job(job), options)
+    assert "distributed.procs_per_worker" in caught.value.fields
+    assert "resources.gpus" in str(caught.value)
+    assert "set procs_per_worker: 8" in str(caught.value)
+
+
+def test_no_fabric_warns_of_idle_gpus_and_still_renders() -> None:
+    job = dict(JOB, distributed={"num_workers": 2, "backend": "nccl"})
+    out = render(parse_job(job), RenderOptions())
+    assert out.objects[0]["spec"]["trainer"]["numProcPerNode"] == 1
+    assert any("1 rank(s) drive 1 of the 8 GPUs" in w for w in out.warnings), out.warnings
+
+
+def test_fields_kubernetes_drops_are_named_and_the_controllers_env_reaches_the_pods() -> None:
+    job = dict(
+        JOB,
+        workdir="src",
+        output_dir="ckpt",
+        priority=5,
+        distributed={**JOB["distributed"], "rendezvous": {"port": 29500}, "transport": "auto"},
+    )
+    out = render(parse_job(job), RenderOptions())
+    said = "\n".join(out.warnings)
+    for name in (
+        "workdir",
+        "output_dir",
+        "priority",
+        "distributed.rendezvous.port",
+        "distributed.transport",
+    ):
+        assert f"{name} is not carried to Kubernetes" in said, said
+    assert "distributed.network" not in said  # not set: nothing to say
+    env = env_of(out.objects[0])
+    assert env["MUSTER_OUTPUT_DIR"] == "ckpt"
+    assert env["OMP_NUM_THREADS"] == "1"
+    # A spec that sets none of them renders without a word about them; the user's own
+    # OMP_NUM_THREADS stands.
+    plain = render(parse_job(dict(JOB, env={"OMP_NUM_THREADS": "4"})), RenderOptions())
+    assert not any("not carried" in w for w in plain.warnings)
+    assert env_of(plain.objects[0])["OMP_NUM_THREADS"] == "4"
+    assert env_of(plain.objects[0])["MUSTER_OUTPUT_DIR"] == "outputs"
+
+
+@pytest.mark.parametrize("fabric", ["tcpxo", "efa"])
+def test_a_wrapped_entrypoint_with_shell_characters_stays_one_word(
+    fabric: str, tmp_path: Path
+) -> None:
+    """The entrypoint goes into bash -c quoted; the args travel as "$@". bash itself runs
+    the rendered command (with torchrun replaced by a script that prints its argv)."""
+    evil = "train;$(touch${IFS}pwned)&&.py"
+    args = ["--name", "a b", "$HOME", "x'y"]
+    job = dict(JOB, entrypoint=evil, args=args)
+    out = render(parse_job(job), RenderOptions(fabric=fabric, **FABRIC_OPTIONS[fabric]))  # type: ignore[arg-type]
+    trainer = by_kind(out.objects, "TrainJob")["spec"]["trainer"]
+    command = trainer["command"]
+    assert command[:2] == ["/bin/bash", "-c"]
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "torchrun").write_text('#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done\n')
+    (shim / "torchrun").chmod(0o755)
+    (tmp_path / "profile.sh").write_text("true\n")
+    script = command[2].replace(
+        "/usr/local/nvidia/lib64/nccl-env-profile.sh", str(tmp_path / "profile.sh")
+    )
+    done = subprocess.run(
+        ["/bin/bash", "-c", script, *command[3:], *trainer["args"]],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={"PATH": f"{shim}:/usr/bin:/bin", "HOME": "/home/x"},
+        timeout=10,
+        check=True,
+    )
+    assert done.stdout.splitlines() == [evil, *args]
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_efa_and_ib_take_the_pods_interface() -> None:
+    for fabric in ("efa", "ib"):
+        out = render(
+            parse_job(dict(JOB)),
+            RenderOptions(fabric=fabric, socket_ifname="net1", **FABRIC_OPTIONS[fabric]),  # type: ignore[arg-type]
+        )
+        assert env_of(out.objects[0])["NCCL_SOCKET_IFNAME"] == "net1"
+
+
+def test_tcpxo_without_placement_warns_that_the_runtime_inherits_nothing() -> None:
+    options = RenderOptions(fabric="tcpxo", gpu_nic_networks=NETWORKS)
+    out = render(parse_job(dict(JOB)), options)
+    assert any("inherits no placement" in w for w in out.warnings), out.warnings
+    _, placed = rendered("tcpxo", "2.3")
+    assert not any("inherits no placement" in w for w in placed)
