@@ -67,9 +67,12 @@ def _natural(name: str) -> list[Any]:
 class Cluster:
     """One namespace of one cluster, through the client's API objects."""
 
-    def __init__(self, core: Any, custom: Any, namespace: str = "default") -> None:
+    def __init__(
+        self, core: Any, custom: Any, namespace: str = "default", apps: Any = None
+    ) -> None:
         self.core = core
         self.custom = custom
+        self.apps = apps  # AppsV1Api: the TCPXO installer's DaemonSet (None: not read)
         self.namespace = namespace
         self.delete_timeout = 180.0
         self.sleep: Callable[[float], None] = time.sleep
@@ -91,7 +94,7 @@ class Cluster:
                 raise InfrastructureError(
                     f"no kubeconfig (KUBECONFIG or ~/.kube/config) and not in a pod: {exc}"
                 ) from None
-        return cls(client.CoreV1Api(), client.CustomObjectsApi(), namespace)
+        return cls(client.CoreV1Api(), client.CustomObjectsApi(), namespace, client.AppsV1Api())
 
     def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         try:
@@ -227,23 +230,160 @@ class Cluster:
             report.checks.append(Check(resource, True, f"{len(nodes)} node(s)"))
 
     def _tcpxo(self, options: RenderOptions, report: Preflight) -> None:
-        nics = [n for n in self.networks() if "gpu-nic" in n]
+        self._tcpxo_networks(options, report)
+        self._tcpxo_nodes(options, report)
+        self._tcpxo_pair(options, report)
+
+    def _tcpxo_networks(self, options: RenderOptions, report: Preflight) -> None:
         given = list(options.gpu_nic_networks)
-        if given:
-            absent = [n for n in given if n not in nics]
-            ok = not absent
-            detail = f"not on the cluster: {', '.join(absent)}" if absent else "all 8 exist"
+        if given:  # (not listed: a namespace-only role may not list cluster-scoped networks)
             report.networks = given
-        else:
-            ok = len(nics) == fab.TCPXO_NICS
-            detail = (
-                f"found {', '.join(nics)}"
-                if ok
-                else f"found {len(nics)} gpu-nic networks ({', '.join(nics) or 'none'}); "
-                f"TCPXO needs {fab.TCPXO_NICS}: give them with --gpu-nic-networks"
+            report.checks.append(
+                Check("gpu-nic networks", True, f"given: {', '.join(given)} (not listed)")
             )
-            report.networks = nics if ok else []
+            return
+        try:
+            nics = [n for n in self.networks() if "gpu-nic" in n]
+        except UserError:
+            report.checks.append(
+                Check(
+                    "gpu-nic networks",
+                    False,
+                    "this role may not list networks.networking.gke.io (they are cluster-"
+                    "scoped): ask whoever provisions the cluster for the eight gpu-nic network "
+                    "names and pass them with --gpu-nic-networks",
+                )
+            )
+            return
+        ok = len(nics) == fab.TCPXO_NICS
+        detail = (
+            f"found {', '.join(nics)}"
+            if ok
+            else f"found {len(nics)} gpu-nic networks ({', '.join(nics) or 'none'}); "
+            f"TCPXO needs {fab.TCPXO_NICS}: give them with --gpu-nic-networks"
+        )
+        report.networks = nics if ok else []
         report.checks.append(Check("gpu-nic networks", ok, detail))
+
+    def _tcpxo_nodes(self, options: RenderOptions, report: Preflight) -> None:
+        """The selector picks nodes with all eight GPUs, and every NoSchedule/NoExecute taint
+        on them is tolerated (the runtime inherits no placement of its own)."""
+        where = ",".join(f"{k}={v}" for k, v in options.node_selector.items())
+        try:
+            nodes = self.nodes(options.node_selector)
+        except UserError:
+            report.checks.append(
+                Check(
+                    "nodes",
+                    False,
+                    "this role may not list nodes (cluster-scoped): ask whoever provisions the "
+                    "cluster which label selects the A3 Mega pool and which taints it carries",
+                )
+            )
+            return
+        full = [n for n in nodes if int(_alloc(n, fab.GPU) or 0) == fab.TCPXO_GPUS]
+        if not full:
+            report.checks.append(
+                Check(
+                    "nodes",
+                    False,
+                    f"no node with {fab.TCPXO_GPUS} GPUs matches {where or 'any node'}: "
+                    "select the A3 Mega pool with --node-selector "
+                    "(e.g. cloud.google.com/gke-accelerator=nvidia-h100-mega-80gb)",
+                )
+            )
+            return
+        taints = sorted(
+            {
+                _taint(t)
+                for n in full
+                for t in (getattr(n.spec, "taints", None) or [])
+                if getattr(t, "effect", "") in ("NoSchedule", "NoExecute")
+            }
+        )
+        untolerated = [t for t in taints if not _tolerated(t, options.tolerations)]
+        shown = f"; taints: {', '.join(taints)}" if taints else "; no taints"
+        if untolerated:
+            report.checks.append(
+                Check(
+                    "nodes",
+                    False,
+                    f"{len(full)} node(s) with {fab.TCPXO_GPUS} GPUs{shown}; not tolerated: "
+                    f"{', '.join(untolerated)}: add --toleration for each (KEY[=VALUE]:EFFECT), "
+                    "or the pods stay Pending",
+                )
+            )
+            return
+        report.checks.append(
+            Check("nodes", True, f"{len(full)} node(s) with {fab.TCPXO_GPUS} GPUs{shown}")
+        )
+
+    def _tcpxo_pair(self, options: RenderOptions, report: Preflight) -> None:
+        """The tcpxo-daemon image is the one paired with the NCCL plugin the cluster runs (the
+        tag of its installer DaemonSet's image)."""
+        daemon = fab.image_tag(options.tcpxo_daemon_image) or "?"
+        overridden = options.tcpxo_daemon_image != fab.TCPXO_DAEMON_IMAGE
+        if self.apps is None:
+            return
+        try:
+            found = self._call(
+                "list DaemonSets",
+                self.apps.list_namespaced_daemon_set,
+                fab.TCPXO_INSTALLER_NAMESPACE,
+            )
+        except UserError:
+            report.checks.append(
+                Check(
+                    "plugin pair",
+                    False,
+                    f"this role may not read DaemonSets in {fab.TCPXO_INSTALLER_NAMESPACE}: ask "
+                    "for the NCCL plugin version the cluster's TCPXO installer runs, and give "
+                    "its paired daemon with --tcpxo-daemon-image",
+                )
+            )
+            return
+        installer = None
+        for item in found.items:
+            for container in [
+                *(item.spec.template.spec.init_containers or []),
+                *(item.spec.template.spec.containers or []),
+            ]:
+                if fab.TCPXO_PLUGIN_IMAGE in (container.image or ""):
+                    installer = (item.metadata.name, container.image)
+        if installer is None:
+            report.checks.append(
+                Check(
+                    "plugin pair",
+                    False,
+                    f"no TCPXO NCCL plugin installer DaemonSet in {fab.TCPXO_INSTALLER_NAMESPACE} "
+                    f"(an image named {fab.TCPXO_PLUGIN_IMAGE}): install GPUDirect-TCPXO's NCCL "
+                    "plugin on the cluster first",
+                )
+            )
+            return
+        name, image = installer
+        plugin = fab.image_tag(image) or "?"
+        paired = fab.TCPXO_PAIRS.get(plugin)
+        where = f"plugin {plugin} (DaemonSet {fab.TCPXO_INSTALLER_NAMESPACE}/{name})"
+        if paired is None and overridden:
+            ok = True  # the user's pairing for a plugin muster has no pair for
+            detail = f"{where}; daemon {daemon}, given with --tcpxo-daemon-image (not checked)"
+        elif paired is None:
+            ok = False
+            detail = (
+                f"{where}: muster knows no daemon paired with it (it pairs "
+                + ", ".join(f"{p} with {d}" for p, d in fab.TCPXO_PAIRS.items())
+                + "): give the paired tcpxo-daemon image with --tcpxo-daemon-image"
+            )
+        else:
+            ok = paired == daemon
+            detail = (
+                f"{where} and daemon {daemon}: a released pair"
+                if ok
+                else f"{where}, but the daemon is {daemon}, not its pair: use the daemon "
+                f"{paired} (--tcpxo-daemon-image, or leave it out for muster's)"
+            )
+        report.checks.append(Check("plugin pair", ok, detail))
 
     # --- writing --------------------------------------------------------------------------
 
@@ -372,6 +512,26 @@ class Cluster:
             )
             lines += [f"[pod/{pod.metadata.name}/node] {line}" for line in text.splitlines()]
         return lines
+
+
+def _taint(taint: Any) -> str:
+    value = getattr(taint, "value", None)
+    return f"{taint.key}{'=' + value if value else ''}:{taint.effect}"
+
+
+def _tolerated(taint: str, tolerations: tuple[dict[str, str], ...]) -> bool:
+    """Whether one of ``tolerations`` (as --toleration gives them) tolerates ``taint``
+    (KEY[=VALUE]:EFFECT), by Kubernetes' rules: Exists matches any value, no effect any effect."""
+    body, _, effect = taint.rpartition(":")
+    key, _, value = body.partition("=")
+    for t in tolerations:
+        if t.get("key") not in (None, "", key):
+            continue
+        if t.get("effect") not in (None, "", effect):
+            continue
+        if t.get("operator") == "Exists" or t.get("value", "") == value:
+            return True
+    return False
 
 
 def _alloc(node: Any, resource: str) -> Any:

@@ -19,11 +19,16 @@ RDMA = "rdma/hca_shared_devices_a"
 # --- GKE GPUDirect-TCPXO -------------------------------------------------------------------
 TCPXO_GPUS = 8  # a3-megagpu-8g: TCPXO needs all eight
 TCPXO_NICS = 8
-TCPXO_PLUGIN = "v1.0.15"
+TCPXO_PLUGIN = "v1.0.15"  # the plugin the default daemon image below is paired with
 TCPXO_DAEMON_IMAGE = (
     "us-docker.pkg.dev/gce-ai-infra/gpudirect-tcpxo/tcpgpudmarxd-dev:v1.0.21"
     "@sha256:8d9e10fd589a34ab8a0aa64f7e70ad075c8f1c69bea176350f8d211367697e3d"
 )
+# Google ships the NCCL plugin and the tcpxo-daemon as coupled pairs: a bump of one moves
+# both. The plugin's version is the tag of its installer DaemonSet's image.
+TCPXO_PAIRS = {"v1.0.15": "v1.0.21"}  # plugin -> daemon
+TCPXO_INSTALLER_NAMESPACE = "kube-system"
+TCPXO_PLUGIN_IMAGE = "nccl-plugin-gpudirecttcpx"  # the installer's image name contains it
 TCPXO_PROFILE = "/usr/local/nvidia/lib64/nccl-env-profile.sh"
 TCPXO_DEVICES = [f"/dev/nvidia{i}" for i in range(TCPXO_GPUS)] + [
     "/dev/nvidiactl",
@@ -134,3 +139,10 @@ BANNER: dict[Fabric, str] = {"tcpxo": "FasTrak", "efa": "AWS Libfabric", "ib": "
 IPC_LOCK = {"capabilities": {"add": ["IPC_LOCK"]}}
 DSHM_VOLUME = {"name": "dshm", "emptyDir": {"medium": "Memory"}}
 DSHM_MOUNT = {"name": "dshm", "mountPath": "/dev/shm"}
+
+
+def image_tag(image: str) -> str | None:
+    """The tag of an image reference (``registry/name:v1.0.21@sha256:...`` -> v1.0.21)."""
+    name = image.split("@", 1)[0]
+    last = name.rsplit("/", 1)[-1]
+    return last.split(":", 1)[1] if ":" in last else None

@@ -27,11 +27,45 @@ def _matches(labels: dict[str, str], selector: str) -> bool:
     return True
 
 
-def node(name: str, labels: dict[str, str], **allocatable: str) -> SimpleNamespace:
+def node(
+    name: str, labels: dict[str, str], taints: tuple[str, ...] = (), **allocatable: str
+) -> SimpleNamespace:
+    """A node; ``taints`` as kubectl writes them (KEY[=VALUE]:EFFECT)."""
+    parsed = []
+    for taint in taints:
+        body, _, effect = taint.rpartition(":")
+        key, _, value = body.partition("=")
+        parsed.append(SimpleNamespace(key=key, value=value or None, effect=effect))
     return SimpleNamespace(
         metadata=SimpleNamespace(name=name, labels=labels),
+        spec=SimpleNamespace(taints=parsed or None),
         status=SimpleNamespace(allocatable=dict(allocatable)),
     )
+
+
+def daemon_set(name: str, image: str) -> SimpleNamespace:
+    container = SimpleNamespace(name="installer", image=image)
+    return SimpleNamespace(
+        metadata=SimpleNamespace(name=name),
+        spec=SimpleNamespace(
+            template=SimpleNamespace(
+                spec=SimpleNamespace(init_containers=[container], containers=[])
+            )
+        ),
+    )
+
+
+class FakeApps:
+    """AppsV1Api's DaemonSet listing; ``forbidden`` answers 403 as a namespace-only role."""
+
+    def __init__(self) -> None:
+        self.daemon_sets: dict[str, list[SimpleNamespace]] = {}
+        self.forbidden = False
+
+    def list_namespaced_daemon_set(self, namespace: str) -> SimpleNamespace:
+        if self.forbidden:
+            raise ApiException(403, "daemonsets.apps is forbidden")
+        return SimpleNamespace(items=list(self.daemon_sets.get(namespace, [])))
 
 
 def pod(name: str, trainjob: str, log: str, phase: str = "Running") -> SimpleNamespace:
@@ -52,8 +86,11 @@ class FakeCore:
         self.node_list: list[SimpleNamespace] = []
         self.pod_list: list[SimpleNamespace] = []
         self.log_calls: list[dict[str, Any]] = []
+        self.nodes_forbidden = False  # a namespace-only role: nodes are cluster-scoped
 
     def list_node(self, label_selector: str = "") -> SimpleNamespace:
+        if self.nodes_forbidden:
+            raise ApiException(403, "nodes is forbidden")
         return SimpleNamespace(
             items=[n for n in self.node_list if _matches(n.metadata.labels, label_selector)]
         )
@@ -81,6 +118,8 @@ class FakeCustom:
         self.cluster_lists: dict[tuple[str, str], list[dict[str, Any]]] = {}
         self.delete_polls = 0  # how many reads a deleted object survives (foreground deletion)
         self.terminating: dict[tuple[str, str | None, str], int] = {}
+        self.listed: list[str] = []  # cluster-scoped lists asked for
+        self.forbidden = False  # cluster-scoped lists refused (a namespace-only role)
 
     def _get(self, plural: str, namespace: str | None, name: str) -> dict[str, Any]:
         key = (plural, namespace, name)
@@ -104,6 +143,9 @@ class FakeCustom:
         return self._get(plural, namespace, name)
 
     def list_cluster_custom_object(self, group: str, version: str, plural: str) -> dict[str, Any]:
+        self.listed.append(f"{plural}.{group}")
+        if self.forbidden:
+            raise ApiException(403, f"{plural}.{group} is forbidden at the cluster scope")
         if (group, plural) not in self.cluster_lists:
             raise ApiException(404, f"the server could not find {plural}.{group}")
         return {"items": copy.deepcopy(self.cluster_lists[(group, plural)])}

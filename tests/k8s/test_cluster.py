@@ -6,6 +6,7 @@ import copy
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -16,9 +17,18 @@ from muster.k8s.render import RenderOptions, render
 from muster.k8s.rules import TORCH_DISTRIBUTED
 from muster.k8s.verify import analyse
 from muster.spec import parse_job
-from tests.k8s.fake import FakeCore, FakeCustom, node, pod
+from tests.k8s.fake import FakeApps, FakeCore, FakeCustom, daemon_set, node, pod
 
 GPU_POOL = {"pool": "gpu"}
+MEGA = {"cloud.google.com/gke-accelerator": "nvidia-h100-mega-80gb"}
+A3_MEGA = [
+    node(f"a3-{i}", MEGA, ("nvidia.com/gpu=present:NoSchedule",), **{"nvidia.com/gpu": "8"})
+    for i in range(2)
+]
+MEGA_PLACEMENT: dict[str, Any] = {
+    "node_selector": MEGA,
+    "tolerations": ({"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},),
+}
 JOB: dict[str, Any] = {
     "name": "llama-ft",
     "image": "ghcr.io/example/llama-ft:1.0",
@@ -74,13 +84,98 @@ def test_gpu_nic_networks_are_read_and_checked(api: tuple[FakeCore, FakeCustom])
     custom.cluster_lists[("networking.gke.io", "networks")] = [
         {"metadata": {"name": n}} for n in ["default", *reversed(names)]
     ]
-    report = cluster(api).preflight(RenderOptions(fabric="tcpxo"))
+    api[0].node_list = A3_MEGA
+    report = cluster(api).preflight(RenderOptions(fabric="tcpxo", **MEGA_PLACEMENT))
     assert report.ok, report.checks
     assert report.networks == names  # gpu-nic only, in NIC order
-    wrong = RenderOptions(fabric="tcpxo", gpu_nic_networks=(*names[:7], "other-gpu-nic-7"))
-    report = cluster(api).preflight(wrong)
-    assert not report.ok
-    assert "not on the cluster: other-gpu-nic-7" in report.checks[0].detail
+    # Names given: used as they are, and the cluster-scoped list is not asked for.
+    custom.listed.clear()
+    given = RenderOptions(fabric="tcpxo", gpu_nic_networks=tuple(names), **MEGA_PLACEMENT)
+    report = cluster(api).preflight(given)
+    assert report.ok, report.checks
+    assert custom.listed == []
+    assert report.networks == names
+
+
+def test_a_namespace_only_role_gets_the_advice_and_the_other_checks(
+    api: tuple[FakeCore, FakeCustom],
+) -> None:
+    core, custom = api
+    custom.forbidden = core.nodes_forbidden = True
+    apps = FakeApps()
+    apps.forbidden = True
+    report = Cluster(core, custom, "ml", apps).preflight(RenderOptions(fabric="tcpxo"))
+    checks = {c.name: c for c in report.checks}
+    assert not checks["gpu-nic networks"].ok
+    assert "ask whoever provisions the cluster for the eight gpu-nic network names" in (
+        checks["gpu-nic networks"].detail
+    )
+    assert "--gpu-nic-networks" in checks["gpu-nic networks"].detail
+    assert not checks["nodes"].ok
+    assert "may not list nodes" in checks["nodes"].detail
+    assert not checks["plugin pair"].ok
+    assert "--tcpxo-daemon-image" in checks["plugin pair"].detail
+
+
+def test_the_selector_must_reach_eight_gpu_nodes_whose_taints_are_tolerated(
+    api: tuple[FakeCore, FakeCustom],
+) -> None:
+    core, _ = api
+    core.node_list = [*A3_MEGA, node("l4-0", {"pool": "small"}, **{"nvidia.com/gpu": "1"})]
+    networks = {"gpu_nic_networks": tuple(f"n-gpu-nic-{i}" for i in range(8))}
+    small = RenderOptions(fabric="tcpxo", node_selector={"pool": "small"}, **networks)
+    (nodes,) = [c for c in cluster(api).preflight(small).checks if c.name == "nodes"]
+    assert not nodes.ok
+    assert "no node with 8 GPUs matches pool=small" in nodes.detail
+    bare = RenderOptions(fabric="tcpxo", node_selector=MEGA, **networks)
+    (nodes,) = [c for c in cluster(api).preflight(bare).checks if c.name == "nodes"]
+    assert not nodes.ok
+    assert "taints: nvidia.com/gpu=present:NoSchedule" in nodes.detail
+    assert "not tolerated" in nodes.detail
+    assert "--toleration" in nodes.detail
+    placed = RenderOptions(fabric="tcpxo", **MEGA_PLACEMENT, **networks)
+    (nodes,) = [c for c in cluster(api).preflight(placed).checks if c.name == "nodes"]
+    assert nodes.ok, nodes.detail
+    assert "2 node(s) with 8 GPUs; taints: nvidia.com/gpu=present:NoSchedule" in nodes.detail
+
+
+def test_the_daemon_must_be_the_one_paired_with_the_clusters_plugin(
+    api: tuple[FakeCore, FakeCustom],
+) -> None:
+    core, custom = api
+    core.node_list = A3_MEGA
+    apps = FakeApps()
+    plugin = "us-docker.pkg.dev/gce-ai-infra/gpudirect-tcpxo/nccl-plugin-gpudirecttcpx-dev:{}"
+    apps.daemon_sets["kube-system"] = [daemon_set("nccl-tcpxo-installer", plugin.format("v1.0.15"))]
+    networks = tuple(f"n-gpu-nic-{i}" for i in range(8))
+    opts = RenderOptions(fabric="tcpxo", gpu_nic_networks=networks, **MEGA_PLACEMENT)
+
+    def pair(options: RenderOptions) -> Any:
+        (found,) = [
+            c
+            for c in Cluster(core, custom, "ml", apps).preflight(options).checks
+            if c.name == "plugin pair"
+        ]
+        return found
+
+    assert pair(opts).ok, pair(opts).detail
+    assert "plugin v1.0.15" in pair(opts).detail
+    assert "v1.0.21" in pair(opts).detail
+    old_daemon = "us-docker.pkg.dev/gce-ai-infra/gpudirect-tcpxo/tcpgpudmarxd-dev:v1.0.18"
+    mismatch = pair(replace(opts, tcpxo_daemon_image=old_daemon))
+    assert not mismatch.ok
+    assert "v1.0.15" in mismatch.detail
+    assert "v1.0.18" in mismatch.detail
+    assert "use the daemon v1.0.21" in mismatch.detail
+    apps.daemon_sets["kube-system"] = [daemon_set("nccl-tcpxo-installer", plugin.format("v1.0.19"))]
+    unknown = pair(opts)
+    assert not unknown.ok
+    assert "plugin v1.0.19" in unknown.detail
+    assert "--tcpxo-daemon-image" in unknown.detail
+    newer = pair(replace(opts, tcpxo_daemon_image=old_daemon.replace("v1.0.18", "v1.0.25")))
+    assert newer.ok, newer.detail  # the user's pairing for a plugin muster does not know
+    apps.daemon_sets["kube-system"] = []
+    assert "install GPUDirect-TCPXO's NCCL plugin" in pair(opts).detail
 
 
 def test_a_cluster_without_gke_networks_fails_tcpxo(api: tuple[FakeCore, FakeCustom]) -> None:
