@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -135,6 +136,9 @@ DaemonOpt = typer.Option(
     None, "--tcpxo-daemon-image", help="tcpxo: the daemon image paired with your NCCL plugin"
 )
 ContextOpt = typer.Option(None, "--context", help="kubeconfig context [default: current]")
+ReplicatedJobOpt = typer.Option(
+    "node", "--replicated-job", help="whose pods: node, or launcher under an MPI runtime"
+)
 
 
 def _warn(warnings: list[str]) -> None:
@@ -259,6 +263,12 @@ def apply_cmd(
     tcpxo_daemon_image: str | None = DaemonOpt,
     socket_ifname: str = IfnameOpt,
     context: str | None = ContextOpt,
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="server-side dry run: show what would change, change nothing"
+    ),
+    yes: bool = typer.Option(
+        False, "--yes", "-y", help="delete and recreate a TrainJob whose trainer changed"
+    ),
 ) -> None:
     """Render and apply server-side (field manager muster); reads what is left out."""
     spec = load_job_file(job_file)
@@ -281,7 +291,17 @@ def apply_cmd(
         opts = _fill_from_cluster(opts, cluster.preflight(opts))
     rendered = render(spec, opts)
     _warn(rendered.warnings)
-    for line in cluster.apply(rendered.objects, opts.trainer_version):
+
+    def confirm(why: str) -> bool:
+        if yes:
+            return True
+        if not sys.stdin.isatty():
+            return False  # (refused with the reason and the --yes fix)
+        return typer.confirm(f"{why}. Delete it and create it again?", default=False)
+
+    for line in cluster.apply(
+        rendered.objects, opts.trainer_version, dry_run=dry_run, confirm=confirm
+    ):
         out.print(line, markup=False)
 
 
@@ -308,7 +328,8 @@ def logs_cmd(
     trainjob: str = typer.Argument(..., help="the TrainJob's name"),
     namespace: str = NamespaceOpt,
     context: str | None = ContextOpt,
+    replicated_job: str = ReplicatedJobOpt,
 ) -> None:
     """Every node pod's whole log, each line tagged with its pod (as kubectl --prefix)."""
-    for line in Cluster.connect(namespace, context).logs(trainjob):
+    for line in Cluster.connect(namespace, context).logs(trainjob, replicated_job):
         typer.echo(line)

@@ -14,7 +14,7 @@ from muster.errors import FieldError, SpecError, UserError
 from muster.k8s.fabric import BANNER
 from muster.k8s.verify import analyse
 
-COLOURS = {"attached": "green", "fallback": "red", "inconclusive": "yellow"}
+COLOURS = {"attached": "green", "fallback": "red", "inconclusive": "yellow", "other fabric": "red"}
 
 
 @app.command("verify-fabric")
@@ -26,10 +26,14 @@ def verify_fabric(
     fabric: str | None = typer.Option(None, "--fabric", help="expected: tcpxo, efa or ib"),
     namespace: str = typer.Option("default", "--namespace", "-n", help="with --k8s"),
     context: str | None = typer.Option(None, "--context", help="with --k8s: kubeconfig context"),
+    replicated_job: str = typer.Option(
+        "node", "--replicated-job", help="with --k8s: node, or launcher under an MPI runtime"
+    ),
     controller: str | None = ControllerOpt,
     token_file: Path | None = TokenFileOpt,
 ) -> None:
-    """Read NCCL's 'Using network' banner per rank. Exit 0 attached, 1 fallback, 3 unknown."""
+    """Read NCCL's 'Using network' banner per rank. Exit 0 attached, 1 fallback, 3 unknown,
+    4 attached to another fabric than --fabric."""
     given = [s for s in (source, k8s, job) if s]
     if len(given) != 1:
         raise UserError("give exactly one of FILE (or - for stdin), --k8s TRAINJOB, --job JOB")
@@ -45,7 +49,7 @@ def verify_fabric(
     elif k8s:
         from muster.k8s.cluster import Cluster
 
-        lines = Cluster.connect(namespace, context).logs(k8s)
+        lines = Cluster.connect(namespace, context).logs(k8s, replicated_job)
     else:
         lines = _stored(client(controller, token_file), str(job))
     report = analyse(lines, fabric)

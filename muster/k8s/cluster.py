@@ -34,7 +34,9 @@ PLURALS = {
     "ClusterTrainingRuntime": "clustertrainingruntimes",
 }
 IMMUTABLE = ("trainer", "runtimeRef", "initializer", "managedBy", "activeDeadlineSeconds")
-NODE_PODS = "jobset.sigs.k8s.io/jobset-name={name},jobset.sigs.k8s.io/replicatedjob-name=node"
+# A TrainJob's pods of one replicated job ("node"; "launcher" under an MPI runtime), whose
+# container carries the replicated job's name.
+PODS = "jobset.sigs.k8s.io/jobset-name={name},jobset.sigs.k8s.io/replicatedjob-name={job}"
 
 
 @dataclass
@@ -156,12 +158,12 @@ class Cluster:
             raise
         return sorted((i["metadata"]["name"] for i in found.get("items", [])), key=_natural)
 
-    def pods(self, trainjob: str) -> list[Any]:
+    def pods(self, trainjob: str, replicated_job: str = "node") -> list[Any]:
         found = self._call(
             f"list pods of {trainjob}",
             self.core.list_namespaced_pod,
             self.namespace,
-            label_selector=NODE_PODS.format(name=trainjob),
+            label_selector=PODS.format(name=trainjob, job=replicated_job),
         )
         return sorted(found.items, key=lambda p: _natural(p.metadata.name))
 
@@ -387,8 +389,18 @@ class Cluster:
 
     # --- writing --------------------------------------------------------------------------
 
-    def apply(self, objects: list[dict[str, Any]], trainer_version: str) -> list[str]:
-        """Apply in order; returns what was done, one line per object."""
+    def apply(
+        self,
+        objects: list[dict[str, Any]],
+        trainer_version: str,
+        *,
+        dry_run: bool = False,
+        confirm: Callable[[str], bool] | None = None,
+    ) -> list[str]:
+        """Apply in order; returns what was done, one line per object. ``dry_run``: the API
+        server validates every object (server-side dry run) and nothing changes, a recreate
+        included. A TrainJob that must be deleted and recreated is only deleted once
+        ``confirm`` (given the reason) says yes; without ``confirm`` it is refused."""
         done = []
         runtime = None
         for obj in objects:
@@ -414,6 +426,18 @@ class Cluster:
                         and obj["spec"].get(f) is not None
                     ]
                     if changed:
+                        why = (
+                            f"{kind} {name}: {', '.join(changed)} cannot change in place, so "
+                            "the running TrainJob (and its pods) must be deleted and created anew"
+                        )
+                        if dry_run:
+                            done.append(f"{why} (dry run: nothing deleted)")
+                            continue
+                        if confirm is None or not confirm(why):
+                            raise UserError(
+                                f"{why}; not done: confirm it, or pass --yes (nothing was changed "
+                                f"for {name})"
+                            )
                         self._delete(kind, name)
                         self._wait_gone(kind, name)
                         self._ssa(obj)
@@ -422,11 +446,18 @@ class Cluster:
                             "place, so the old TrainJob (and its pods) was deleted"
                         )
                         continue
-            self._ssa(obj)
-            done.append(f"{kind} {name} applied (server-side, field manager {FIELD_MANAGER})")
+            self._ssa(obj, dry_run=dry_run)
+            done.append(
+                f"{kind} {name} "
+                + (
+                    "would be applied (server-side dry run: valid, nothing changed)"
+                    if dry_run
+                    else f"applied (server-side, field manager {FIELD_MANAGER})"
+                )
+            )
         return done
 
-    def _ssa(self, obj: dict[str, Any]) -> None:
+    def _ssa(self, obj: dict[str, Any], *, dry_run: bool = False) -> None:
         kind, name = obj["kind"], obj["metadata"]["name"]
         body = json.loads(json.dumps(obj))
         kwargs = {
@@ -434,6 +465,8 @@ class Cluster:
             "force": True,
             "_content_type": "application/apply-patch+yaml",
         }
+        if dry_run:
+            kwargs["dry_run"] = "All"
         if kind == "ClusterTrainingRuntime":
             self._call(
                 f"apply {kind} {name}",
@@ -496,11 +529,20 @@ class Cluster:
         ]
         return {"name": trainjob, "conditions": conditions, "pods": pods}
 
-    def logs(self, trainjob: str) -> list[str]:
-        """Every node pod's whole log, each line tagged [pod/NAME/node]."""
-        pods = self.pods(trainjob)
+    def logs(self, trainjob: str, replicated_job: str = "node") -> list[str]:
+        """Every pod's whole log (of the ``node`` replicated job, or another: ``launcher``
+        under an MPI runtime), each line tagged [pod/NAME/CONTAINER]."""
+        pods = self.pods(trainjob, replicated_job)
         if not pods:
-            raise UserError(f"TrainJob {trainjob} has no node pods in namespace {self.namespace}")
+            raise UserError(
+                f"TrainJob {trainjob} has no {replicated_job} pods in namespace "
+                f"{self.namespace}"
+                + (
+                    ""
+                    if replicated_job != "node"
+                    else " (an MPI runtime: --replicated-job launcher)"
+                )
+            )
         lines = []
         for pod in pods:
             text = self._call(
@@ -508,9 +550,10 @@ class Cluster:
                 self.core.read_namespaced_pod_log,
                 pod.metadata.name,
                 self.namespace,
-                container="node",
+                container=replicated_job,
             )
-            lines += [f"[pod/{pod.metadata.name}/node] {line}" for line in text.splitlines()]
+            tag = f"[pod/{pod.metadata.name}/{replicated_job}]"
+            lines += [f"{tag} {line}" for line in text.splitlines()]
         return lines
 
 

@@ -19,8 +19,14 @@ from typing import Literal
 
 from muster.k8s.fabric import BANNER, Fabric
 
-Verdict = Literal["attached", "fallback", "inconclusive"]
-EXIT_CODES: dict[Verdict, int] = {"attached": 0, "fallback": 1, "inconclusive": 3}
+Verdict = Literal["attached", "fallback", "inconclusive", "other fabric"]
+# 4: NCCL attached to a fabric, but not the one expected (--fabric): not "attached".
+EXIT_CODES: dict[Verdict, int] = {
+    "attached": 0,
+    "fallback": 1,
+    "inconclusive": 3,
+    "other fabric": 4,
+}
 
 _PREFIX = re.compile(
     r"^\[(?:pod/(?P<pod>[^/\]]+)/(?P<container>[^\]]+)|(?P<tag>(?:rank|node)\d+))\]\s?"
@@ -119,9 +125,20 @@ def analyse(lines: Iterable[str], fabric: Fabric | None = None) -> Report:
         )
     networks = sorted({r.network or "" for r in seen})
     missing = [r.name for r in ranks.values() if r.network is None]
+    if fabric in BANNER:
+        other = [r for r in seen if r.network != BANNER[fabric]]
+        if other:
+            names = ", ".join(f"{r.name} ({r.network})" for r in other)
+            return Report(
+                "other fabric",
+                f"{len(other)} of {len(seen)} rank(s) attached to another network than "
+                f"{BANNER[fabric]}, which {fabric} would show: {names}",
+                list(ranks.values()),
+                f"the pods ran on other nodes or another runtime than the {fabric} one: check "
+                "the job's node selector and runtime (`muster k8s preflight`), or the --fabric "
+                "you expected",
+            )
     summary = f"{len(seen)} rank(s) attached to {', '.join(networks)}"
-    if fabric in BANNER and BANNER[fabric] not in networks:
-        summary += f" (expected {BANNER[fabric]} for {fabric})"
     if missing:
         summary += f"; no banner from {', '.join(missing)}"
     return Report("attached", summary, list(ranks.values()))
@@ -140,5 +157,6 @@ def _why_no_banner(total: int, info: int, warn: int) -> str:
     return (
         "inconclusive: NCCL INFO lines but no 'Using network' banner. The output may be cut "
         "short (kubectl logs with a selector keeps 10 lines unless --tail=-1), or an MPI "
-        "launcher printed the ranks' output in its own pod (read the launcher's logs)"
+        "launcher printed the ranks' output in its own pod (read the launcher's logs: "
+        "--replicated-job launcher)"
     )

@@ -68,10 +68,12 @@ class FakeApps:
         return SimpleNamespace(items=list(self.daemon_sets.get(namespace, [])))
 
 
-def pod(name: str, trainjob: str, log: str, phase: str = "Running") -> SimpleNamespace:
+def pod(
+    name: str, trainjob: str, log: str, phase: str = "Running", replicated_job: str = "node"
+) -> SimpleNamespace:
     labels = {
         "jobset.sigs.k8s.io/jobset-name": trainjob,
-        "jobset.sigs.k8s.io/replicatedjob-name": "node",
+        "jobset.sigs.k8s.io/replicatedjob-name": replicated_job,
     }
     return SimpleNamespace(
         metadata=SimpleNamespace(name=name, labels=labels),
@@ -119,6 +121,7 @@ class FakeCustom:
         self.delete_polls = 0  # how many reads a deleted object survives (foreground deletion)
         self.terminating: dict[tuple[str, str | None, str], int] = {}
         self.listed: list[str] = []  # cluster-scoped lists asked for
+        self.dry_runs: list[str] = []  # names applied with dryRun=All
         self.forbidden = False  # cluster-scoped lists refused (a namespace-only role)
 
     def _get(self, plural: str, namespace: str | None, name: str) -> dict[str, Any]:
@@ -162,6 +165,9 @@ class FakeCustom:
             for part in ("trainer", "runtimeRef"):
                 if old["spec"].get(part) != body["spec"].get(part):
                     raise ApiException(422, f"spec.{part}: Invalid value: field is immutable")
+        if kwargs.get("dry_run") == "All":  # validated as a real apply, stored nowhere
+            self.dry_runs.append(key[2])
+            return body
         self.objects[key] = copy.deepcopy(body)
         return body
 

@@ -207,9 +207,18 @@ def test_apply_is_server_side_and_recreates_on_a_changed_trainer(
     # Same trainer: a plain re-apply.
     assert "applied" in c.apply(objects, "2.3")[0]
     assert custom.deleted == []
-    # A new argument changes the immutable trainer block: delete, then create.
+    # A new argument changes the immutable trainer block: delete, then create. A dry run
+    # says so and changes nothing; without a yes nothing is deleted either.
     changed = render(parse_job({**JOB, "args": ["--lr", "3e-4"]}), RenderOptions(namespace="ml"))
-    (line,) = c.apply(changed.objects, "2.3")
+    (line,) = c.apply(changed.objects, "2.3", dry_run=True)
+    assert "must be deleted and created anew (dry run: nothing deleted)" in line
+    with pytest.raises(UserError, match="pass --yes"):
+        c.apply(changed.objects, "2.3", confirm=lambda why: False)
+    assert custom.deleted == []
+    assert c.get("TrainJob", "llama-ft") == objects[0]
+    asked: list[str] = []
+    (line,) = c.apply(changed.objects, "2.3", confirm=lambda why: asked.append(why) or True)
+    assert "trainer cannot change in place" in asked[0]
     assert "recreated: trainer cannot change in place" in line
     assert custom.deleted == ["trainjobs/llama-ft"]
     assert naps  # it waited for the old one to go before creating the new one
@@ -227,7 +236,21 @@ def test_a_delete_that_never_finishes_is_reported(api: tuple[FakeCore, FakeCusto
     c.sleep = lambda _: None
     changed = render(parse_job({**JOB, "args": ["--x"]}), RenderOptions(namespace="ml"))
     with pytest.raises(InfrastructureError, match="still being deleted after 0s"):
-        c.apply(changed.objects, "2.3")
+        c.apply(changed.objects, "2.3", confirm=lambda why: True)
+
+
+def test_a_dry_run_sends_every_object_for_validation_and_stores_none(
+    api: tuple[FakeCore, FakeCustom],
+) -> None:
+    _, custom = api
+    nets = tuple(f"gpu-nic-{i}" for i in range(8))
+    objects = render(
+        parse_job(JOB), RenderOptions(fabric="tcpxo", namespace="ml", gpu_nic_networks=nets)
+    ).objects
+    lines = cluster(api).apply(objects, "2.3", dry_run=True)
+    assert all("server-side dry run" in line for line in lines), lines
+    assert custom.dry_runs == ["llama-ft-tcpxo", "llama-ft"]
+    assert ("trainjobs", "ml", "llama-ft") not in custom.objects
 
 
 def test_apply_writes_the_tcpxo_runtime_first(api: tuple[FakeCore, FakeCustom]) -> None:
@@ -332,9 +355,40 @@ def test_preflight_and_apply_commands_fill_in_what_the_cluster_tells(
     assert done.exit_code == 0, done.output
     stored = custom.objects[("trainjobs", "ml", "llama-ft")]
     assert stored["spec"]["trainer"]["resourcesPerNode"]["limits"]["vpc.amazonaws.com/efa"] == 32
+    # Another trainer (--efa-count 4): not recreated without --yes (no terminal to ask on).
+    again = ["k8s", "apply", job, "--fabric", "efa", "--efa-count", "4", "-n", "ml"]
+    done = runner.invoke(app, [*again, "--dry-run"])
+    assert done.exit_code == 0, done.output
+    assert "dry run: nothing deleted" in done.output
+    done = runner.invoke(app, again)
+    assert done.exit_code == 2, done.output
+    assert "pass --yes" in done.output
+    assert custom.deleted == []
+    done = runner.invoke(app, [*again, "--yes"])
+    assert done.exit_code == 0, done.output
+    assert custom.deleted == ["trainjobs/llama-ft"]
     core.node_list.append(
         node("p4d-0", GPU_POOL, **{"nvidia.com/gpu": "8", "vpc.amazonaws.com/efa": "4"})
     )
     done = runner.invoke(app, ["k8s", "preflight", job, "--fabric", "efa"])
     assert done.exit_code == 1
     assert "FAIL efa" in done.output
+
+
+def test_an_mpi_launchers_pod_is_read_with_replicated_job_launcher(
+    api: tuple[FakeCore, FakeCustom],
+) -> None:
+    core, _ = api
+    banner = "host-a:7:7 [0] NCCL INFO Using network IB"
+    core.pod_list = [
+        pod("mpi-job-node-0-0-x", "mpi-job", "worker says nothing\n"),
+        pod("mpi-job-launcher-0-0-y", "mpi-job", banner + "\n", replicated_job="launcher"),
+    ]
+    c = cluster(api)
+    assert analyse(c.logs("mpi-job"), "ib").verdict == "inconclusive"
+    lines = c.logs("mpi-job", "launcher")
+    assert lines == [f"[pod/mpi-job-launcher-0-0-y/launcher] {banner}"]
+    assert core.log_calls[-1]["container"] == "launcher"
+    assert analyse(lines, "ib").verdict == "attached"
+    with pytest.raises(UserError, match="no launcher pods"):
+        c.logs("other-job", "launcher")

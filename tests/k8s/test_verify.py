@@ -78,9 +78,15 @@ def test_muster_rank_tags_name_the_rank() -> None:
     assert rank.name == "rank3 pid 9"
 
 
-def test_expected_fabric_mismatch_is_said() -> None:
+def test_another_fabric_than_expected_is_not_attached() -> None:
     report = analyse(read("efa-attached.log"), "ib")
-    assert "(expected IB for ib)" in report.summary
+    assert report.verdict == "other fabric"
+    assert report.exit_code == 4
+    assert "another network than IB" in report.summary
+    assert "AWS Libfabric" in report.summary
+    assert report.cause is not None
+    assert "--fabric" in report.cause
+    assert analyse(read("efa-attached.log"), "efa").exit_code == 0
 
 
 @pytest.mark.parametrize(
