@@ -447,14 +447,18 @@ class Cluster:
                         )
                         continue
             self._ssa(obj, dry_run=dry_run)
-            done.append(
-                f"{kind} {name} "
-                + (
-                    "would be applied (server-side dry run: valid, nothing changed)"
-                    if dry_run
-                    else f"applied (server-side, field manager {FIELD_MANAGER})"
+            if dry_run:
+                before = self.get(kind, name)
+                what = (
+                    "would be created"
+                    if before is None
+                    else "unchanged"
+                    if not (paths := _changes(before.get("spec"), obj.get("spec"), "spec"))
+                    else "would change " + ", ".join(paths)
                 )
-            )
+                done.append(f"{kind} {name} {what} (server-side dry run: valid, nothing changed)")
+            else:
+                done.append(f"{kind} {name} applied (server-side, field manager {FIELD_MANAGER})")
         return done
 
     def _ssa(self, obj: dict[str, Any], *, dry_run: bool = False) -> None:
@@ -585,6 +589,19 @@ def _alloc(node: Any, resource: str) -> Any:
 def _no_nodes(options: RenderOptions) -> str:
     where = ",".join(f"{k}={v}" for k, v in options.node_selector.items()) or "any node"
     return f"no GPU node matches {where}: check --node-selector"
+
+
+def _changes(before: Any, after: Any, path: str, depth: int = 3) -> list[str]:
+    """The paths (to ``depth`` levels) where ``after`` sets something ``before`` lacks or
+    holds differently: what a server-side apply of ``after`` would change."""
+    if _canon(before) == _canon(after):
+        return []
+    if depth == 0 or not isinstance(before, dict) or not isinstance(after, dict):
+        return [path]
+    found = []
+    for key in after:
+        found += _changes(before.get(key), after[key], f"{path}.{key}", depth - 1)
+    return found or [path]
 
 
 def _canon(value: Any) -> str:

@@ -248,7 +248,7 @@ def test_a_dry_run_sends_every_object_for_validation_and_stores_none(
         parse_job(JOB), RenderOptions(fabric="tcpxo", namespace="ml", gpu_nic_networks=nets)
     ).objects
     lines = cluster(api).apply(objects, "2.3", dry_run=True)
-    assert all("server-side dry run" in line for line in lines), lines
+    assert all("would be created (server-side dry run" in line for line in lines), lines
     assert custom.dry_runs == ["llama-ft-tcpxo", "llama-ft"]
     assert ("trainjobs", "ml", "llama-ft") not in custom.objects
 
@@ -360,6 +360,8 @@ def test_preflight_and_apply_commands_fill_in_what_the_cluster_tells(
     done = runner.invoke(app, [*again, "--dry-run"])
     assert done.exit_code == 0, done.output
     assert "dry run: nothing deleted" in done.output
+    done = runner.invoke(app, ["k8s", "apply", job, "--fabric", "efa", "-n", "ml", "--dry-run"])
+    assert "TrainJob llama-ft unchanged (server-side dry run" in done.output, done.output
     done = runner.invoke(app, again)
     assert done.exit_code == 2, done.output
     assert "pass --yes" in done.output
