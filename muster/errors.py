@@ -14,8 +14,10 @@ Every error muster raises on purpose is a ``MusterError``. The branch says whose
     │   ├── PlacementConflict     a reservation lost a race for a worker; the pass is retried
     │   ├── IllegalTransition     a lifecycle move the state table forbids
     │   └── CohortDiverged        ranks of a training cohort reached a round out of step
-    └── InfrastructureError       something below muster failed (CLI exit 4, HTTP 502/503)
-        └── StoreUnavailable      the database cannot be opened or migrated
+    ├── InfrastructureError       something below muster failed (CLI exit 4, HTTP 502/503)
+    │   └── StoreUnavailable      the database cannot be opened or migrated
+    └── JobFailed                 the job ran and ended failed or cancelled (``muster.launch``
+                                  raises it, carrying the job's result)
 
 Lower-level exceptions (SQLAlchemy, OSError, pydantic) are caught at the seam that
 causes them and re-raised as one of these, with a message that names the thing and the fix.
@@ -125,3 +127,14 @@ class InfrastructureError(MusterError):
 
 class StoreUnavailable(InfrastructureError):
     """The database cannot be opened, reached or migrated."""
+
+
+class JobFailed(MusterError):
+    """The job ended failed or cancelled; ``result`` holds what it did (state, root cause,
+    per-rank exit codes, artifacts: a ``muster.client.JobResult``)."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, result: object = None) -> None:
+        super().__init__(message)
+        self.result = result
