@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo lint typecheck imports pytest bench clean
+.PHONY: setup test demo lint typecheck imports docs pytest bench clean
 
 setup: $(STAMP)
 
@@ -15,8 +15,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 lint: setup
-	$(BIN)/ruff check muster tests bench examples
-	$(BIN)/ruff format --check muster tests bench examples
+	$(BIN)/ruff check muster tests bench examples docs
+	$(BIN)/ruff format --check muster tests bench examples docs
 
 typecheck: setup
 	$(BIN)/mypy
@@ -24,10 +24,14 @@ typecheck: setup
 imports: setup
 	$(BIN)/lint-imports
 
+# The documentation site, strictly: a broken link, a missing page or snippet fails.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet -d site
+
 pytest: setup
 	$(BIN)/pytest -q --durations=15
 
-test: lint typecheck imports pytest
+test: lint typecheck imports docs pytest
 
 # A controller on SQLite in a temporary data dir, two local agents, the DDP example.
 demo: setup
@@ -46,4 +50,4 @@ bench: setup
 	$(BIN)/python bench/gpu_check.py
 
 clean:
-	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis *.egg-info
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis *.egg-info site

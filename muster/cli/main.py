@@ -47,6 +47,15 @@ def reports_errors(fn: Callable[P, R]) -> Callable[P, R]:
 
 
 def main() -> None:
+    load_commands()
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+def load_commands() -> typer.Typer:
+    """The app with every verb registered (each module adds its own when imported)."""
     from muster.cli import (  # noqa: F401  (each module registers its verbs)
         agent,
         artifacts,
@@ -65,7 +74,4 @@ def main() -> None:
         window,
     )
 
-    try:
-        app()
-    except KeyboardInterrupt:
-        sys.exit(130)
+    return app

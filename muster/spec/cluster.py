@@ -44,16 +44,16 @@ class Controller(_Model):
     host: str = Field(default="127.0.0.1", min_length=1, description="controller bind address")
     port: int = Field(default=DEFAULT_PORT, ge=1, le=65535, description="the one port")
     path: str | None = Field(default=None, description="the project root on the controller")
-    join: JoinWindow = Field(default_factory=JoinWindow)
+    join: JoinWindow = Field(default_factory=JoinWindow, description="the join window")
 
 
 class Ssh(_Model):
     """How ``muster up`` reaches a worker (the OpenSSH client; never a password prompt)."""
 
     target: str | None = Field(default=None, description="ssh destination [the worker's host]")
-    port: int = Field(default=22, ge=1, le=65535)
-    user: str | None = None
-    identity_file: str | None = None
+    port: int = Field(default=22, ge=1, le=65535, description="ssh port")
+    user: str | None = Field(default=None, description="ssh user [ssh's own default]")
+    identity_file: str | None = Field(default=None, description="private key file (ssh -i)")
     options: list[str] = Field(default_factory=list, description="-o options, as Key=Value")
 
 
@@ -61,7 +61,7 @@ class Worker(_Model):
     """One host that carries ranks: one rank per device it offers (or ``procs`` CPU ranks)."""
 
     host: str = Field(min_length=1, description="the worker's name, and its default ssh target")
-    ssh: Ssh = Field(default_factory=Ssh)
+    ssh: Ssh = Field(default_factory=Ssh, description="how `muster up` reaches it")
     devices: Devices = Field(default=None, description="GPU indices, or all (probed at dispatch)")
     procs: int | None = Field(default=None, ge=1, le=1024, description="CPU ranks (no GPUs)")
     interface: str | None = Field(
@@ -70,7 +70,12 @@ class Worker(_Model):
     path: str | None = Field(default=None, description="the project root on this host")
     data_path: str | None = Field(default=None, description="the data root ranks read here")
     env: dict[str, str] = Field(default_factory=dict, description="this host's ranks' env")
-    gpu_ram_share: float | None = Field(default=None, gt=0, le=4)
+    gpu_ram_share: float | None = Field(
+        default=None,
+        gt=0,
+        le=4,
+        description="an APU's GPU share of RAM (MUSTER_GPU_RAM_SHARE for its ranks)",
+    )
     python: str = Field(
         default="python3", min_length=1, description="the Python muster runs with on this host"
     )
@@ -89,10 +94,15 @@ class Worker(_Model):
 
 
 class ClusterFile(_Model):
-    controller: Controller = Field(default_factory=Controller)
-    workers: list[Worker] = Field(default_factory=list)
+    controller: Controller = Field(default_factory=Controller, description="where it listens")
+    workers: list[Worker] = Field(default_factory=list, description="the hosts that carry ranks")
     env: dict[str, str] = Field(default_factory=dict, description="every rank's env")
-    gpu_ram_share: float | None = Field(default=None, gt=0, le=4)
+    gpu_ram_share: float | None = Field(
+        default=None,
+        gt=0,
+        le=4,
+        description="an APU's GPU share of RAM (MUSTER_GPU_RAM_SHARE for its ranks)",
+    )
 
     @property
     def capacity(self) -> int | None:

@@ -117,10 +117,21 @@ class Distributed(_Model):
     backend: Backend | None = Field(
         default=None, description="gloo or nccl; defaults to nccl on cuda, else gloo"
     )
-    rendezvous: Rendezvous = Field(default_factory=Rendezvous)
-    network: NetworkClass = "regional"
-    transport: Transport = "direct"
-    membership: Membership = "pool"
+    rendezvous: Rendezvous = Field(default_factory=Rendezvous, description="node 0's port")
+    network: NetworkClass = Field(
+        default="regional",
+        description="where members may be: colocated (one provider region), regional (one "
+        "region class, any provider), global (anywhere)",
+    )
+    transport: Transport = Field(
+        default="direct",
+        description="direct: private or WireGuard paths only; auto: relayed paths too",
+    )
+    membership: Membership = Field(
+        default="pool",
+        description="pool: the scheduler takes idle agents; window: whoever walks in "
+        "(muster join) within the join window",
+    )
     window: JoinWindow | None = Field(
         default=None, description="the join window of a window job (membership: window)"
     )
@@ -150,8 +161,14 @@ class JobSpec(_Model):
 
     name: str = Field(description="a DNS label: lowercase letters, digits and '-', <= 63")
     entrypoint: str = Field(description="a script path (train.py) or a module (-m pkg.train)")
-    args: list[str] = Field(default_factory=list)
-    env: dict[str, str] = Field(default_factory=dict)
+    args: list[str] = Field(
+        default_factory=list, description="arguments after the entrypoint, as torchrun passes them"
+    )
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="environment of every rank; rank, address and NCCL interface variables are "
+        "muster's own and refused here",
+    )
     image: str | None = Field(default=None, description="container image (Kubernetes backend)")
     workdir: str = Field(default=".", description="directory packed as the source bundle")
     output_dir: str = Field(
@@ -159,11 +176,22 @@ class JobSpec(_Model):
         description="directory (relative to the run dir) exported as MUSTER_OUTPUT_DIR, uploaded",
     )
     timeout: Seconds | None = Field(default=None, description="seconds, or '30m', '2h'")
-    priority: int = Field(default=0, ge=-INT32, lt=INT32)
-    labels: dict[str, str] = Field(default_factory=dict)
-    retries: int = Field(default=0, ge=0)
-    resources: Resources = Field(default_factory=Resources)
-    distributed: Distributed | None = None
+    priority: int = Field(
+        default=0, ge=-INT32, lt=INT32, description="higher is placed first; equal: first come"
+    )
+    labels: dict[str, str] = Field(
+        default_factory=dict, description="free-form tags, shown and kept on Kubernetes objects"
+    )
+    retries: int = Field(
+        default=0,
+        ge=0,
+        description="must be 0: a failed gang is never resubmitted (checkpoint to "
+        "MUSTER_OUTPUT_DIR and submit again)",
+    )
+    resources: Resources = Field(default_factory=Resources, description="what each worker needs")
+    distributed: Distributed | None = Field(
+        default=None, description="the gang; absent: one worker, one process"
+    )
 
     @property
     def gang(self) -> Distributed:
