@@ -233,6 +233,9 @@ def worker(args: argparse.Namespace) -> None:
     if rank == 0:
         Path(args.out).write_text(json.dumps(results))
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # not the interpreter's teardown: gloo sometimes aborts there (torch#190489)
 
 
 def _load(model: Any, params: list[Any]) -> Any:

@@ -4,17 +4,17 @@ One averaging round, on every rank of the process group:
 
 1. COUNT, always: one all_reduce(sum) of a float64 vector in which each rank fills its own
    slots: the batches it realized, its window number, a fingerprint of its model's layout,
-   whether its steps already applied the cohort's averaged gradients, and the caller's
-   ``side`` values. After it every rank holds every rank's counts, windows
-   and layouts, so every rank computes the same weights and takes the same branch below:
-   - ranks at different windows, or whose models differ in layout (dtypes, sizes, devices):
-     every rank raises ``CohortDiverged`` here, before any model was averaged (a rank that
-     left its loop early would otherwise average another window; an fp16 model against bf16
-     peers would sum the wrong bits without a word);
+   whether it is in ElChe's sync step, how many of its trainable parameters have no
+   gradient, and the caller's ``side`` values. After it every rank holds every rank's
+   values, so every rank computes the same weights and takes the same branch below:
+   - ranks at different windows, whose models differ in layout (dtypes, sizes, devices,
+     requires_grad), or of which only some are in the sync step: every rank raises
+     ``CohortDiverged`` here, before any model was averaged (a rank that left its loop
+     early would otherwise average another window; an fp16 model against bf16 peers would
+     sum the wrong bits without a word);
    - the cohort idle (every count 0): every rank keeps its local state; nothing more is sent.
-2. PARAM (skipped when every rank's steps applied averaged gradients, as ElChe's sync mode
-   does: the models are equal already): each rank contributes its floating-point parameters
-   scaled by its share, and the collective sums. A rank's share is
+2. PARAM: each rank contributes its floating-point parameters scaled by its share, and the
+   collective sums. A rank's share is
    ``n_r**gamma / sum_j n_j**gamma`` (an idle rank's is 0: the idle guard), computed in log
    space from the gathered counts, so no gamma and no count overflows on one rank while the
    others wait in the collective.
@@ -23,6 +23,10 @@ One averaging round, on every rank of the process group:
 4. BUFFER, only if the model has floating-point buffers: the same with mover mass (every rank
    that did any work weighs the same). Integer buffers stay local (they evolve identically on
    every rank); optimizer state stays local.
+
+ElChe's sync mode runs its round inside the step instead (:func:`sync_step`): COUNT, then
+GRAD (the gradients' mean, DDP's all-reduce), the optimizer's step, then BUFFER; the models
+never differ, so there is no PARAM.
 
 Memory: tensors are reduced in place, in buckets of at most ``bucket_bytes`` of one device
 and dtype (25 MiB by default, DDP's bucket): small tensors are packed into one scratch
@@ -59,6 +63,7 @@ from muster.errors import CohortDiverged, UserError
 from muster.train.mass import MAX_GAMMA, gamma_shares, mover_mass
 
 BUCKET_BYTES = 25 * 1024 * 1024
+HEAD_SLOTS = 5  # COUNT's slots per rank: batches, window, layout, in-step, missing gradients
 Trace = Callable[[str], None]
 
 
@@ -252,85 +257,63 @@ def weighted_sum(
     return count
 
 
-def average_gradients(
-    model: nn.Module,
-    group: Any = None,
-    *,
-    bucket_bytes: int = BUCKET_BYTES,
-    trace: Trace | None = None,
-) -> int:
-    """Replace every trainable floating-point parameter's gradient, in place, by the mean of
-    the cohort's (a parameter this rank's loss did not reach counts as a zero gradient, as
-    under DDP); returns the number of collectives. Every rank of the group must call it, on
-    the same model layout: it is DDP's gradient all-reduce, so an optimizer stepped after it
-    makes the same update on every rank, whatever its state (momentum, Adam's moments)."""
-    backend = str(dist.get_backend(group))
-    world = dist.get_world_size(group)
-    grads = []
-    for param in model.parameters():
-        if param.requires_grad and param.is_floating_point():
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            grads.append(param.grad)
-    return weighted_sum(
-        grads, 1.0 / world, group, backend, bucket_bytes=bucket_bytes, trace=trace, label="GRAD"
-    )
-
-
 def layout_of(params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]) -> int:
-    """A 32-bit fingerprint of what a round reduces (each tensor's dtype, size and device
-    type, in order): ranks whose fingerprints differ would pair the wrong bytes."""
-    shape = [(str(t.dtype), t.numel(), t.device.type) for t in (*params, *buffers)]
+    """A 32-bit fingerprint of what a round reduces (each tensor's dtype, size, device type
+    and whether it trains, in order): ranks whose fingerprints differ would pair the wrong
+    bytes (a parameter frozen on one rank only changes the gradient buckets)."""
+    shape = [
+        (str(t.dtype), t.numel(), t.device.type, bool(t.requires_grad)) for t in (*params, *buffers)
+    ]
     return zlib.crc32(repr(shape).encode())
 
 
-def average_round(
-    model: nn.Module,
-    batches: int,
-    gamma: float = 1.0,
-    group: Any = None,
-    side: torch.Tensor | None = None,
-    *,
-    window: int | None = None,
-    in_step: bool = False,
-    bucket_bytes: int = BUCKET_BYTES,
-    trace: Trace | None = None,
-) -> RoundResult:
-    """Average ``model`` across the group, each rank weighted by the batches it realized.
+@dataclass(frozen=True)
+class _Count:
+    """What COUNT gathered, the same on every rank."""
 
-    ``side``, a float64 CPU vector of the same length on every rank, rides the COUNT
-    collective and is replaced by its sum over the group (the ElChe timing exchange uses it,
-    so a window costs no extra collective). ``window``: this rank's window number; a cohort
-    whose ranks disagree raises CohortDiverged on every rank before anything is averaged.
-    ``in_step``: this rank's parameters already equal its peers' (every step of the window
-    applied the cohort's averaged gradients, see :func:`average_gradients`); PARAM is skipped
-    when every rank says so (COUNT carries it), and runs on all of them otherwise.
-    """
-    if not math.isfinite(gamma) or not 0.0 <= gamma <= MAX_GAMMA:
-        raise UserError(f"gamma must be between 0 and {MAX_GAMMA:g}; got {gamma!r}")
+    counts: tuple[int, ...]
+    in_step: tuple[bool, ...]
+    missing: tuple[int, ...]  # trainable parameters without a gradient, per rank (sync step)
+
+
+def _count(
+    params: Sequence[torch.Tensor],
+    buffers: Sequence[torch.Tensor],
+    batches: int,
+    window: int | None,
+    in_step: bool,
+    side: torch.Tensor | None,
+    group: Any,
+    trace: Trace | None,
+    missing: int = 0,
+) -> _Count:
+    """COUNT: every rank's batches, window, layout and in-step flag, and the summed ``side``;
+    raises CohortDiverged on every rank when the cohort is out of step. A rank in ElChe's
+    sync step and a rank in a window's round send the same COUNT, so a cohort in which only
+    some ranks call ``ElChe.step`` is caught here too."""
     backend = str(dist.get_backend(group))
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    params, buffers = _floating(model.parameters()), _floating(model.buffers())
     device = torch.device("cpu")
     if backend == "nccl":  # NCCL reduces CUDA tensors: the model's GPU, else the current one
         first = params[0].device if params else None
         device = first if first is not None and first.type == "cuda" else torch.device("cuda")
     extra = side.tolist() if side is not None else []
-    head = [0.0] * (4 * world)
+    head = [0.0] * (HEAD_SLOTS * world)
     head[rank] = float(max(0, batches))
     head[world + rank] = float(window + 1) if window is not None else 0.0
     head[2 * world + rank] = float(layout_of(params, buffers))
     head[3 * world + rank] = 1.0 if in_step else 0.0
+    head[4 * world + rank] = float(missing)
     count = torch.tensor(head + extra, dtype=torch.float64, device=device)
+    where = "step" if in_step else "round"
     if trace is not None:
-        trace(f"enter COUNT (window {window})")
+        trace(f"enter COUNT (window {window}, {where})")
     dist.all_reduce(count, op=dist.ReduceOp.SUM, group=group)
     if trace is not None:
-        trace(f"exit COUNT (window {window})")
+        trace(f"exit COUNT (window {window}, {where})")
     gathered = count.tolist()
     if side is not None:
-        side.copy_(torch.tensor(gathered[4 * world :], dtype=torch.float64))
-    counts = tuple(int(c) for c in gathered[:world])
+        side.copy_(torch.tensor(gathered[HEAD_SLOTS * world :], dtype=torch.float64))
     windows = [int(w) - 1 for w in gathered[world : 2 * world]]  # (-1: no window given)
     mine = windows[rank]
     if len(set(windows)) > 1:
@@ -345,28 +328,132 @@ def average_round(
         odd = [r for r, x in enumerate(layouts) if x != layouts[0]]
         raise CohortDiverged(
             f"the models differ in layout (rank 0 and rank {odd[0]}: the floating-point "
-            "parameters' and buffers' dtypes, sizes or devices): every rank must hold the "
-            "same model in the same dtypes; nothing of this round was averaged"
+            "parameters' and buffers' dtypes, sizes, devices or requires_grad): every rank "
+            "must hold the same model in the same dtypes; nothing of this round was averaged"
         )
+    flags = tuple(bool(f) for f in gathered[3 * world : 4 * world])
+    if len(set(flags)) > 1:
+        stepping = [r for r, f in enumerate(flags) if f]
+        raise CohortDiverged(
+            f"ranks {stepping} called ElChe.step for this batch and the others stepped by "
+            "hand: in sync mode every rank calls elche.step(loss) for every batch, or none "
+            "does; nothing of this round was averaged"
+        )
+    return _Count(
+        tuple(int(c) for c in gathered[:world]),
+        flags,
+        tuple(int(m) for m in gathered[4 * world : 5 * world]),
+    )
+
+
+def sync_step(
+    model: nn.Module,
+    step: Callable[[], Any],
+    group: Any = None,
+    side: torch.Tensor | None = None,
+    *,
+    window: int,
+    bucket_bytes: int = BUCKET_BYTES,
+    trace: Trace | None = None,
+) -> RoundResult:
+    """ElChe's sync round, inside the step: COUNT (the cohort is in step: the same window
+    and layout, every rank stepping through ElChe), then GRAD (every gradient replaced by
+    the cohort's mean, as DDP's all-reduce does), then ``step()`` (the optimizer: the same
+    update on every rank, whatever its state), then BUFFER (floating buffers averaged).
+
+    A parameter no rank's loss reached keeps ``grad=None`` everywhere (the optimizer skips
+    it, as under DDP); one that only some ranks reached counts as a zero gradient on the
+    others. That takes one more small all-reduce, only in a step where some rank has a
+    trainable parameter without a gradient. Sparse gradients are refused.
+    """
+    backend = str(dist.get_backend(group))
+    world = dist.get_world_size(group)
+    params, buffers = _floating(model.parameters()), _floating(model.buffers())
+    trainable = [p for p in params if p.requires_grad]
+    for param in trainable:
+        if param.grad is not None and param.grad.is_sparse:
+            raise UserError(
+                "ElChe sync mode averages dense gradients: a sparse one (nn.Embedding("
+                "sparse=True)) cannot be: make it dense, or use mode='cadence'"
+            )
+    missing = sum(1 for p in trainable if p.grad is None)
+    counted = _count(params, buffers, 1, window, True, side, group, trace, missing)
+    collectives = 1
+    used = [True] * len(trainable)
+    if any(counted.missing):  # which parameters some rank's loss reached
+        mask = torch.tensor(
+            [0.0 if p.grad is None else 1.0 for p in trainable], dtype=torch.float64
+        )
+        if backend == "nccl":
+            mask = mask.to(trainable[0].device)
+        if trace is not None:
+            trace(f"enter USED (window {window})")
+        dist.all_reduce(mask, op=dist.ReduceOp.SUM, group=group)
+        if trace is not None:
+            trace(f"exit USED (window {window})")
+        collectives += 1
+        used = [bool(x) for x in mask.tolist()]
+    grads = []
+    for param, reached in zip(trainable, used, strict=True):
+        if not reached:
+            continue
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        grads.append(param.grad)
+    collectives += weighted_sum(
+        grads, 1.0 / world, group, backend, bucket_bytes=bucket_bytes, trace=trace, label="GRAD"
+    )
+    step()
+    if buffers:
+        collectives += weighted_sum(
+            buffers, 1.0 / world, group, backend, bucket_bytes=bucket_bytes, trace=trace,
+            label="BUFFER",
+        )  # fmt: skip
+    counts = counted.counts
+    return RoundResult(True, collectives, counts, 1.0 / world, world, None)
+
+
+def average_round(
+    model: nn.Module,
+    batches: int,
+    gamma: float = 1.0,
+    group: Any = None,
+    side: torch.Tensor | None = None,
+    *,
+    window: int | None = None,
+    bucket_bytes: int = BUCKET_BYTES,
+    trace: Trace | None = None,
+) -> RoundResult:
+    """Average ``model`` across the group, each rank weighted by the batches it realized.
+
+    ``side``, a float64 CPU vector of the same length on every rank, rides the COUNT
+    collective and is replaced by its sum over the group (the ElChe timing exchange uses it,
+    so a window costs no extra collective). ``window``: this rank's window number; a cohort
+    whose ranks disagree raises CohortDiverged on every rank before anything is averaged.
+    """
+    if not math.isfinite(gamma) or not 0.0 <= gamma <= MAX_GAMMA:
+        raise UserError(f"gamma must be between 0 and {MAX_GAMMA:g}; got {gamma!r}")
+    backend = str(dist.get_backend(group))
+    rank = dist.get_rank(group)
+    params, buffers = _floating(model.parameters()), _floating(model.buffers())
+    counted = _count(params, buffers, batches, window, False, side, group, trace)
+    counts = counted.counts
     shares = gamma_shares(counts, gamma)
     movers = sum(1 for c in counts if c > 0)
     if movers == 0:
         return RoundResult(False, 1, counts, 0.0, 0, None)
-    collectives = 1
-    divergence = None
-    if not all(gathered[3 * world : 4 * world]):
-        sums = _Sums()
-        collectives += weighted_sum(
-            params,
-            shares[rank],
-            group,
-            backend,
-            bucket_bytes=bucket_bytes,
-            sums=sums,
-            trace=trace,
-            label="PARAM",
-        )
-        divergence = sums.divergence()  # between the rounds: the buffers cannot mask it
+    sums = _Sums()
+    collectives = 1 + weighted_sum(
+        params,
+        shares[rank],
+        group,
+        backend,
+        bucket_bytes=bucket_bytes,
+        sums=sums,
+        trace=trace,
+        label="PARAM",
+    )
+    divergence = sums.divergence()  # between the rounds: the buffers cannot mask it
     if buffers:
         collectives += weighted_sum(
             buffers,

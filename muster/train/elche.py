@@ -12,10 +12,10 @@ rank weighted by the work it realized (``n ** gamma`` batches). Under ``torchrun
             elche.step(loss_fn(model(x), y))   # zero_grad, backward, optimizer.step
 
 Modes:
-- ``sync``: DDP's algorithm: one batch per rank, and ``step`` all-reduces the gradients
-  (their mean) before the optimizer steps, so every rank makes DDP's update whatever the
-  optimizer (momentum, Adam) and the models never drift apart; the round after each batch
-  only checks the cohort and averages floating-point buffers. An epoch's last batches that
+- ``sync``: DDP's algorithm: one batch per rank, and ``step`` runs the round itself: it
+  checks the cohort (COUNT), all-reduces the gradients (their mean) before the optimizer
+  steps, so every rank makes DDP's update whatever the optimizer (momentum, Adam) and the
+  models never drift apart, and averages floating-point buffers. An epoch's last batches that
   would leave a rank without one wait for the next epoch (``DistributedSampler(drop_last=
   True)``). Every rank calls ``step`` once for every batch (a rank that skips it leaves
   the others waiting in the gradient all-reduce, as under DDP); a loop that steps by hand
@@ -64,9 +64,9 @@ from muster.errors import UserError
 from muster.train.collective import (
     RoundResult,
     Trace,
-    average_gradients,
     average_round,
     debug_trace,
+    sync_step,
 )
 from muster.train.mass import MAX_GAMMA
 from muster.train.sampler import WindowSampler
@@ -87,16 +87,12 @@ class AverageBackend(Protocol):
     """How a round averages the model: the collective backend today, the CPU star later."""
 
     def round(
-        self,
-        model: nn.Module,
-        batches: int,
-        gamma: float,
-        side: torch.Tensor,
-        window: int,
-        in_step: bool = False,
+        self, model: nn.Module, batches: int, gamma: float, side: torch.Tensor, window: int
     ) -> RoundResult: ...
 
-    def gradients(self, model: nn.Module) -> None: ...
+    def step(
+        self, model: nn.Module, step: Callable[[], Any], side: torch.Tensor, window: int
+    ) -> RoundResult: ...
 
 
 @dataclass(frozen=True)
@@ -107,27 +103,16 @@ class CollectiveBackend:
     trace: Trace | None = None
 
     def round(
-        self,
-        model: nn.Module,
-        batches: int,
-        gamma: float,
-        side: torch.Tensor,
-        window: int,
-        in_step: bool = False,
+        self, model: nn.Module, batches: int, gamma: float, side: torch.Tensor, window: int
     ) -> RoundResult:
         return average_round(
-            model,
-            batches,
-            gamma,
-            self.group,
-            side,
-            window=window,
-            in_step=in_step,
-            trace=self.trace,
+            model, batches, gamma, self.group, side, window=window, trace=self.trace
         )
 
-    def gradients(self, model: nn.Module) -> None:
-        average_gradients(model, self.group, trace=self.trace)
+    def step(
+        self, model: nn.Module, step: Callable[[], Any], side: torch.Tensor, window: int
+    ) -> RoundResult:
+        return sync_step(model, step, self.group, side, window=window, trace=self.trace)
 
 
 class Stopwatch:
@@ -234,7 +219,7 @@ class ElChe:
         self.batches_run = 0  # batches this rank ran, all epochs
         self.round_ms = 0.0  # time spent in rounds: waiting for the cohort plus the collectives
         self.last_round: RoundResult | None = None
-        self._stepped = 0  # batches of the current window stepped through ``step``
+        self._round_done = False  # sync: this window's round ran inside ``step``
         self._broadcast_initial_state()
 
     def _broadcast_initial_state(self) -> None:
@@ -270,7 +255,7 @@ class ElChe:
                 self.counts = self._plan(left)
                 mine = self.sampler.deal(self.counts)
                 watch = Stopwatch(self.device)
-                self._stepped = 0
+                self._round_done = False
                 for indices in mine:
                     item = fetch(indices) if fetch is not None else indices
                     watch.ready()
@@ -283,20 +268,33 @@ class ElChe:
             if not finished:
                 # Left mid-window (a break, an exception) without its round: this rank's next
                 # round must not pass for the one its peers are waiting in. A window number
-                # past theirs makes every rank raise CohortDiverged there instead.
-                self.window += 1
+                # past theirs makes every rank raise CohortDiverged there instead. (In sync
+                # mode the round may have run in ``step`` already: then one more.)
+                self.window += 2 if self._round_done else 1
 
     def step(self, loss: torch.Tensor) -> None:
         """The usual step: zero the gradients, backpropagate ``loss``, step the optimizer (in
         sync mode, on the cohort's mean gradient: every rank must call it for every batch)."""
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()  # type: ignore[no-untyped-call]
-        if self.mode == "sync":
-            self.backend.gradients(self.model)
-        self.optimizer.step()
-        self._stepped += 1
+        if self.mode != "sync":
+            self.optimizer.step()
+            return
+        if self._round_done:
+            raise UserError(
+                "ElChe.step ran twice for one batch: in sync mode call it once per batch "
+                "(accumulate gradients yourself and step by hand, on every rank, instead)"
+            )
+        started = time.perf_counter()
+        side = torch.zeros(self.world * _SLOTS, dtype=torch.float64)  # (COUNT's shape)
+        self.last_round = self.backend.step(self.model, self.optimizer.step, side, self.window)
+        self.round_ms += (time.perf_counter() - started) * 1e3
+        self._round_done = True
 
     def _round(self, mine: WindowSummary) -> None:
+        if self._round_done:  # (sync: it ran in ``step``)
+            self.window += 1
+            return
         side = torch.zeros(self.world * _SLOTS, dtype=torch.float64)
         base = self.rank * _SLOTS
         side[base : base + _SLOTS] = torch.tensor(
@@ -310,10 +308,7 @@ class ElChe:
         )
         started = time.perf_counter()
         # (CohortDiverged, raised on every rank, when a rank is at another window)
-        in_step = self.mode == "sync" and self._stepped == mine.batches
-        result = self.backend.round(
-            self.model, mine.batches, self.gamma, side, self.window, in_step
-        )
+        result = self.backend.round(self.model, mine.batches, self.gamma, side, self.window)
         self.last_round = result
         self.round_ms += (time.perf_counter() - started) * 1e3
         rows = side.view(self.world, _SLOTS).tolist()

@@ -6,7 +6,9 @@ argv: OUT_DIR SCENARIO, with SCENARIO one of
 - sync: ElChe sync next to torch DDP on the same batches (AdamW: state that parameter
   averaging would not keep equal); then an epoch of 5 batches, whose fifth would leave
   rank 1 without one; then a loop that steps by hand (no ``elche.step``);
-- diverge: rank 0 breaks out of its loop mid-window and carries on with the next epoch.
+- diverge: rank 0 breaks out of its loop mid-window and carries on with the next epoch;
+- hazards: sync mode with a branch one rank takes, a break after a step, and a rank that
+  steps by hand while the other steps through ElChe.
 """
 
 from __future__ import annotations
@@ -127,11 +129,77 @@ def diverge(rank: int) -> dict[str, object]:
     return {"error": None}
 
 
+class Branchy(nn.Module):
+    """A model with a branch only rank 0 takes and one nobody takes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(4, 1)
+        self.rank0_only = nn.Linear(4, 1)
+        self.never = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.trunk(x)
+        if dist.get_rank() == 0:
+            out = out + self.rank0_only(x)
+        return out
+
+
+def sync_hazards(rank: int) -> dict[str, object]:
+    """Sync mode's round runs inside ``step``, before the optimizer: a rank out of step must
+    be caught there, before any gradient is averaged."""
+    result: dict[str, object] = {}
+    x = torch.randn(64, 4, generator=torch.Generator().manual_seed(1))
+    # 1. A parameter one rank's loss reaches, and one nobody's: the first is averaged (zero
+    # on the other rank), the second keeps grad None on every rank and does not move,
+    # weight decay or not.
+    model = Branchy()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    elche = ElChe(model, optimizer, dataset_size=64, batch_size=8, mode="sync")
+    never_before = params(model.never)
+    for indices in elche.epoch(0):
+        elche.step(model(x[indices]).pow(2).mean())
+    result["branchy"] = params(model)
+    result["never_moved"] = params(model.never) == never_before
+    result["never_grad_none"] = model.never.weight.grad is None
+    # 2. Rank 0 breaks out after its step, mid-epoch, and goes on to the next epoch.
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    elche = ElChe(model, optimizer, dataset_size=64, batch_size=8, mode="sync")
+    try:
+        for epoch in range(2):
+            for indices in elche.epoch(epoch):
+                elche.step(model(x[indices]).pow(2).mean())
+                if rank == 0 and epoch == 0 and elche.window == 1:
+                    break
+        result["break"] = None
+    except CohortDiverged as error:
+        result["break"] = str(error)
+    # 3. Rank 0 steps through ElChe, rank 1 by hand.
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    elche = ElChe(model, optimizer, dataset_size=64, batch_size=8, mode="sync")
+    try:
+        for indices in elche.epoch(0):
+            loss = model(x[indices]).pow(2).mean()
+            if rank == 0:
+                elche.step(loss)
+            else:
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+        result["mixed"] = None
+    except CohortDiverged as error:
+        result["mixed"] = str(error)
+    return result
+
+
 def main() -> None:
     out, scenario = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    result = {"cadence": cadence, "sync": sync, "diverge": diverge}[scenario](rank)
+    scenarios = {"cadence": cadence, "sync": sync, "diverge": diverge, "hazards": sync_hazards}
+    result = scenarios[scenario](rank)
     with open(os.path.join(out, f"{scenario}{rank}.json"), "w") as fh:
         json.dump(result, fh)
     gc.collect()

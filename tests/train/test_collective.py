@@ -153,8 +153,8 @@ def test_muster_train_debug_names_every_collective_as_it_is_entered_and_left(
 ) -> None:
     for rank, said in enumerate(b["trace"] for b in bounds):
         assert said == [
-            f"[muster.train rank {rank}] enter COUNT (window 7)",
-            f"[muster.train rank {rank}] exit COUNT (window 7)",
+            f"[muster.train rank {rank}] enter COUNT (window 7, round)",
+            f"[muster.train rank {rank}] exit COUNT (window 7, round)",
             f"[muster.train rank {rank}] enter PARAM 1/1 (float32, 0.00 MiB)",
             f"[muster.train rank {rank}] exit PARAM 1/1",
         ]

@@ -125,3 +125,21 @@ def test_bad_settings_are_refused_before_any_collective() -> None:
         ElChe(model, optimizer, dataset_size=8, batch_size=2, gamma=200.0)
     with pytest.raises(UserError, match="init_process_group"):
         ElChe(model, optimizer, dataset_size=8, batch_size=2)
+
+
+def test_sync_catches_a_cohort_out_of_step_before_averaging_gradients(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    a, b = run(tmp_path_factory, "hazards")
+    # A parameter only rank 0 reaches is averaged like the rest (both ranks equal); one
+    # nobody reaches keeps grad None and does not move (AdamW's decay skips it, as DDP).
+    assert a["branchy"] == b["branchy"]
+    assert a["never_moved"] is b["never_moved"] is True
+    assert a["never_grad_none"] is b["never_grad_none"] is True
+    for result in (a, b):
+        assert result["break"] is not None
+        assert "is at the averaging round of window" in result["break"]
+        assert result["mixed"] is not None
+        assert (
+            "called ElChe.step for this batch and the others stepped by hand" in (result["mixed"])
+        )
