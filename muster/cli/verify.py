@@ -33,7 +33,7 @@ def verify_fabric(
     token_file: Path | None = TokenFileOpt,
 ) -> None:
     """Read NCCL's 'Using network' banner per rank. Exit 0 attached, 1 fallback, 3 unknown,
-    4 attached to another fabric than --fabric."""
+    5 attached to another fabric than --fabric."""
     given = [s for s in (source, k8s, job) if s]
     if len(given) != 1:
         raise UserError("give exactly one of FILE (or - for stdin), --k8s TRAINJOB, --job JOB")

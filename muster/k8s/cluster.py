@@ -301,6 +301,7 @@ class Cluster:
                 for n in full
                 for t in (getattr(n.spec, "taints", None) or [])
                 if getattr(t, "effect", "") in ("NoSchedule", "NoExecute")
+                and not str(getattr(t, "key", "")).startswith(CONDITION_TAINTS)
             }
         )
         untolerated = [t for t in taints if not _tolerated(t, options.tolerations)]
@@ -400,68 +401,77 @@ class Cluster:
         """Apply in order; returns what was done, one line per object. ``dry_run``: the API
         server validates every object (server-side dry run) and nothing changes, a recreate
         included. A TrainJob that must be deleted and recreated is only deleted once
-        ``confirm`` (given the reason) says yes; without ``confirm`` it is refused."""
-        done = []
+        ``confirm`` (given the reason) says yes, asked before anything is written; without
+        ``confirm`` it is refused and nothing changes."""
         runtime = None
         for obj in objects:
             if obj["kind"] in ("TrainingRuntime", "ClusterTrainingRuntime"):
                 runtime = obj
+        recreate: dict[str, str] = {}  # TrainJob name -> why it must be recreated
         for obj in objects:
             kind, name = obj["kind"], obj["metadata"]["name"]
-            if kind == "TrainJob":
-                ref = obj["spec"]["runtimeRef"]
-                target = runtime or self.get(ref["kind"], ref["name"])
-                if target is None:
+            if kind != "TrainJob":
+                continue
+            ref = obj["spec"]["runtimeRef"]
+            target = runtime or self.get(ref["kind"], ref["name"])
+            if target is None:
+                raise UserError(
+                    f"TrainJob {name} references {ref['kind']} {ref['name']}, which the "
+                    "cluster does not have (`muster k8s preflight` checks it)"
+                )
+            check([obj], runtime=target, trainer_version=trainer_version)
+            existing = self.get(kind, name)
+            if existing is None:
+                continue
+            changed = [
+                f
+                for f in IMMUTABLE
+                if _canon(existing.get("spec", {}).get(f)) != _canon(obj["spec"].get(f))
+                and obj["spec"].get(f) is not None
+            ]
+            if changed:
+                recreate[name] = (
+                    f"{kind} {name}: {', '.join(changed)} cannot change in place, so "
+                    "the running TrainJob (and its pods) must be deleted and created anew"
+                )
+        if not dry_run:
+            for why in recreate.values():
+                if confirm is None or not confirm(why):
                     raise UserError(
-                        f"TrainJob {name} references {ref['kind']} {ref['name']}, which the "
-                        "cluster does not have (`muster k8s preflight` checks it)"
+                        f"{why}; not done: confirm it, or pass --yes (nothing was changed)"
                     )
-                check([obj], runtime=target, trainer_version=trainer_version)
-                existing = self.get(kind, name)
-                if existing is not None:
-                    changed = [
-                        f
-                        for f in IMMUTABLE
-                        if _canon(existing.get("spec", {}).get(f)) != _canon(obj["spec"].get(f))
-                        and obj["spec"].get(f) is not None
-                    ]
-                    if changed:
-                        why = (
-                            f"{kind} {name}: {', '.join(changed)} cannot change in place, so "
-                            "the running TrainJob (and its pods) must be deleted and created anew"
-                        )
-                        if dry_run:
-                            done.append(f"{why} (dry run: nothing deleted)")
-                            continue
-                        if confirm is None or not confirm(why):
-                            raise UserError(
-                                f"{why}; not done: confirm it, or pass --yes (nothing was changed "
-                                f"for {name})"
-                            )
-                        self._delete(kind, name)
-                        self._wait_gone(kind, name)
-                        self._ssa(obj)
-                        done.append(
-                            f"{kind} {name} recreated: {', '.join(changed)} cannot change in "
-                            "place, so the old TrainJob (and its pods) was deleted"
-                        )
-                        continue
-            self._ssa(obj, dry_run=dry_run)
+        done = []
+        for obj in objects:
+            kind, name = obj["kind"], obj["metadata"]["name"]
+            if kind == "TrainJob" and name in recreate:
+                if dry_run:
+                    done.append(f"{recreate[name]} (dry run: nothing deleted)")
+                    continue
+                self._delete(kind, name)
+                self._wait_gone(kind, name)
+                self._ssa(obj)
+                changed_fields = recreate[name].split(": ", 1)[1].split(" cannot")[0]
+                done.append(
+                    f"{kind} {name} recreated: {changed_fields} cannot change in "
+                    "place, so the old TrainJob (and its pods) was deleted"
+                )
+                continue
             if dry_run:
                 before = self.get(kind, name)
-                what = (
-                    "would be created"
-                    if before is None
-                    else "unchanged"
-                    if not (paths := _changes(before.get("spec"), obj.get("spec"), "spec"))
-                    else "would change " + ", ".join(paths)
-                )
+                after = self._ssa(obj, dry_run=True)  # what the server would store
+                if before is None:
+                    what = "would be created"
+                else:
+                    paths = _changes(before.get("spec"), (after or obj).get("spec"), "spec")
+                    what = "would change " + ", ".join(paths) if paths else "unchanged"
                 done.append(f"{kind} {name} {what} (server-side dry run: valid, nothing changed)")
             else:
+                self._ssa(obj)
                 done.append(f"{kind} {name} applied (server-side, field manager {FIELD_MANAGER})")
         return done
 
-    def _ssa(self, obj: dict[str, Any], *, dry_run: bool = False) -> None:
+    def _ssa(self, obj: dict[str, Any], *, dry_run: bool = False) -> dict[str, Any] | None:
+        """Server-side apply; returns the object as the server stored it (or would)."""
         kind, name = obj["kind"], obj["metadata"]["name"]
         body = json.loads(json.dumps(obj))
         kwargs = {
@@ -472,7 +482,7 @@ class Cluster:
         if dry_run:
             kwargs["dry_run"] = "All"
         if kind == "ClusterTrainingRuntime":
-            self._call(
+            stored = self._call(
                 f"apply {kind} {name}",
                 self.custom.patch_cluster_custom_object,
                 GROUP,
@@ -483,7 +493,7 @@ class Cluster:
                 **kwargs,
             )
         else:
-            self._call(
+            stored = self._call(
                 f"apply {kind} {name}",
                 self.custom.patch_namespaced_custom_object,
                 GROUP,
@@ -494,6 +504,7 @@ class Cluster:
                 body,
                 **kwargs,
             )
+        return dict(stored) if isinstance(stored, dict) else None
 
     def _delete(self, kind: str, name: str) -> None:
         self._call(
@@ -549,16 +560,32 @@ class Cluster:
             )
         lines = []
         for pod in pods:
+            container = _container_of(pod)
             text = self._call(
                 f"logs of {pod.metadata.name}",
                 self.core.read_namespaced_pod_log,
                 pod.metadata.name,
                 self.namespace,
-                container=replicated_job,
+                container=container,
             )
-            tag = f"[pod/{pod.metadata.name}/{replicated_job}]"
+            tag = f"[pod/{pod.metadata.name}/{container}]"
             lines += [f"{tag} {line}" for line in text.splitlines()]
         return lines
+
+
+def _container_of(pod: Any) -> str:
+    """The container whose log is the job's: Trainer names its trainer container ``node``,
+    in a launcher's pod as in a node's; a pod with one container of another name, that one."""
+    spec = getattr(pod, "spec", None)
+    names = [c.name for c in (getattr(spec, "containers", None) or [])]
+    if "node" in names or not names:
+        return "node"
+    return str(names[0]) if len(names) == 1 else "node"
+
+
+# Taints the node controller sets for a node's condition (cordoned, not ready): transient,
+# and not the pool's own; a pod should not tolerate them.
+CONDITION_TAINTS = ("node.kubernetes.io/", "node.cloudprovider.kubernetes.io/")
 
 
 def _taint(taint: Any) -> str:

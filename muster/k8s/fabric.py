@@ -28,8 +28,10 @@ TCPXO_DAEMON_IMAGE = (
 # both. The plugin's version is the tag of its installer DaemonSet's image.
 TCPXO_PAIRS = {"v1.0.15": "v1.0.21"}  # plugin -> daemon
 TCPXO_INSTALLER_NAMESPACE = "kube-system"
-TCPXO_PLUGIN_IMAGE = "nccl-plugin-gpudirecttcpx"  # the installer's image name contains it
+# The installer's image path contains it (TCPX, A3 High's, is gpudirect-tcpx/: not this).
+TCPXO_PLUGIN_IMAGE = "gpudirect-tcpxo/nccl-plugin-gpudirecttcpx"
 TCPXO_PROFILE = "/usr/local/nvidia/lib64/nccl-env-profile.sh"
+TCPXO_LIB_DIR = "/usr/local/nvidia/lib64"  # the profile builds its paths from NCCL_LIB_DIR
 TCPXO_DEVICES = [f"/dev/nvidia{i}" for i in range(TCPXO_GPUS)] + [
     "/dev/nvidiactl",
     "/dev/nvidia-uvm",
@@ -134,7 +136,13 @@ FIXED: dict[Fabric, set[str]] = {
 }
 
 # What NCCL names the network it attached to, per fabric.
-BANNER: dict[Fabric, str] = {"tcpxo": "FasTrak", "efa": "AWS Libfabric", "ib": "IB"}
+# aws-ofi-nccl calls itself "AWS Libfabric" up to 1.11, "Libfabric" after (or "OFI" when
+# NCCL_NET=OFI asks for it by that name).
+BANNER: dict[Fabric, tuple[str, ...]] = {
+    "tcpxo": ("FasTrak",),
+    "efa": ("AWS Libfabric", "Libfabric", "OFI"),
+    "ib": ("IB",),
+}
 
 IPC_LOCK = {"capabilities": {"add": ["IPC_LOCK"]}}
 DSHM_VOLUME = {"name": "dshm", "emptyDir": {"medium": "Memory"}}

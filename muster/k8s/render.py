@@ -395,7 +395,12 @@ def render(spec: JobSpec, options: RenderOptions) -> Rendered:
         objects.append(runtime)
         ref = {"name": runtime_name, "kind": "TrainingRuntime", "apiGroup": GROUP}
         if options.nccl_env == "profile":
-            trainer["command"] = _wrapped(f"source {fab.TCPXO_PROFILE}", spec)
+            # NCCL_LIB_DIR: the profile's paths start there. --nccl-debug after it: the
+            # profile may set its own NCCL_DEBUG.
+            prelude = f"export NCCL_LIB_DIR={fab.TCPXO_LIB_DIR} && source {fab.TCPXO_PROFILE}"
+            if options.nccl_debug:
+                prelude += f" && export NCCL_DEBUG={shlex.quote(options.nccl_debug)}"
+            trainer["command"] = _wrapped(prelude, spec)
         else:
             warnings.append(
                 "--nccl-env inline: the NCCL values are muster's transcription of the profile "

@@ -20,12 +20,13 @@ from typing import Literal
 from muster.k8s.fabric import BANNER, Fabric
 
 Verdict = Literal["attached", "fallback", "inconclusive", "other fabric"]
-# 4: NCCL attached to a fabric, but not the one expected (--fabric): not "attached".
+# 5: NCCL attached to a fabric, but not the one expected (--fabric): not "attached". (2 is
+# a usage error, 4 an unreachable cluster, as for every muster command.)
 EXIT_CODES: dict[Verdict, int] = {
     "attached": 0,
     "fallback": 1,
     "inconclusive": 3,
-    "other fabric": 4,
+    "other fabric": 5,
 }
 
 _PREFIX = re.compile(
@@ -126,13 +127,14 @@ def analyse(lines: Iterable[str], fabric: Fabric | None = None) -> Report:
     networks = sorted({r.network or "" for r in seen})
     missing = [r.name for r in ranks.values() if r.network is None]
     if fabric in BANNER:
-        other = [r for r in seen if r.network != BANNER[fabric]]
+        names_of = {n.lower() for n in BANNER[fabric]}
+        other = [r for r in seen if (r.network or "").lower() not in names_of]
         if other:
             names = ", ".join(f"{r.name} ({r.network})" for r in other)
             return Report(
                 "other fabric",
                 f"{len(other)} of {len(seen)} rank(s) attached to another network than "
-                f"{BANNER[fabric]}, which {fabric} would show: {names}",
+                f"{' or '.join(BANNER[fabric])}, which {fabric} would show: {names}",
                 list(ranks.values()),
                 f"the pods ran on other nodes or another runtime than the {fabric} one: check "
                 "the job's node selector and runtime (`muster k8s preflight`), or the --fabric "

@@ -117,11 +117,36 @@ def test_a_namespace_only_role_gets_the_advice_and_the_other_checks(
     assert "--tcpxo-daemon-image" in checks["plugin pair"].detail
 
 
+def test_a_refused_recreate_writes_nothing_not_even_the_runtime(
+    api: tuple[FakeCore, FakeCustom],
+) -> None:
+    _, custom = api
+    nets = tuple(f"gpu-nic-{i}" for i in range(8))
+    opts = RenderOptions(fabric="tcpxo", namespace="ml", gpu_nic_networks=nets)
+    c = cluster(api)
+    c.apply(render(parse_job(JOB), opts).objects, "2.3")
+    before = copy.deepcopy(custom.objects)
+    changed = render(parse_job({**JOB, "args": ["--x"]}), replace(opts, nccl_debug="INFO"))
+    with pytest.raises(UserError, match="nothing was changed"):
+        c.apply(changed.objects, "2.3", confirm=lambda why: False)
+    assert custom.objects == before  # the runtime too
+
+
 def test_the_selector_must_reach_eight_gpu_nodes_whose_taints_are_tolerated(
     api: tuple[FakeCore, FakeCustom],
 ) -> None:
     core, _ = api
-    core.node_list = [*A3_MEGA, node("l4-0", {"pool": "small"}, **{"nvidia.com/gpu": "1"})]
+    cordoned = node(
+        "a3-9",
+        MEGA,
+        ("nvidia.com/gpu=present:NoSchedule", "node.kubernetes.io/unschedulable:NoSchedule"),
+        **{"nvidia.com/gpu": "8"},
+    )
+    core.node_list = [
+        *A3_MEGA,
+        cordoned,
+        node("l4-0", {"pool": "small"}, **{"nvidia.com/gpu": "1"}),
+    ]
     networks = {"gpu_nic_networks": tuple(f"n-gpu-nic-{i}" for i in range(8))}
     small = RenderOptions(fabric="tcpxo", node_selector={"pool": "small"}, **networks)
     (nodes,) = [c for c in cluster(api).preflight(small).checks if c.name == "nodes"]
@@ -136,7 +161,8 @@ def test_the_selector_must_reach_eight_gpu_nodes_whose_taints_are_tolerated(
     placed = RenderOptions(fabric="tcpxo", **MEGA_PLACEMENT, **networks)
     (nodes,) = [c for c in cluster(api).preflight(placed).checks if c.name == "nodes"]
     assert nodes.ok, nodes.detail
-    assert "2 node(s) with 8 GPUs; taints: nvidia.com/gpu=present:NoSchedule" in nodes.detail
+    # (a cordoned node's condition taint is not one to tolerate)
+    assert "3 node(s) with 8 GPUs; taints: nvidia.com/gpu=present:NoSchedule" in nodes.detail
 
 
 def test_the_daemon_must_be_the_one_paired_with_the_clusters_plugin(
@@ -389,8 +415,9 @@ def test_an_mpi_launchers_pod_is_read_with_replicated_job_launcher(
     c = cluster(api)
     assert analyse(c.logs("mpi-job"), "ib").verdict == "inconclusive"
     lines = c.logs("mpi-job", "launcher")
-    assert lines == [f"[pod/mpi-job-launcher-0-0-y/launcher] {banner}"]
-    assert core.log_calls[-1]["container"] == "launcher"
+    # Trainer names the trainer container node in the launcher's pod too.
+    assert lines == [f"[pod/mpi-job-launcher-0-0-y/node] {banner}"]
+    assert core.log_calls[-1]["container"] == "node"
     assert analyse(lines, "ib").verdict == "attached"
     with pytest.raises(UserError, match="no launcher pods"):
         c.logs("other-job", "launcher")

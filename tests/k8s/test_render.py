@@ -167,7 +167,14 @@ def test_tcpxo_profile_mode_sources_the_plugins_env_at_start_up() -> None:
     assert not any(e["name"] == "NCCL_FASTRAK_IFNAME" for e in worker["env"])
     command = job["spec"]["trainer"]["command"]
     assert command[:2] == ["/bin/bash", "-c"]
-    assert "source /usr/local/nvidia/lib64/nccl-env-profile.sh" in command[2]
+    assert command[2].startswith(
+        "export NCCL_LIB_DIR=/usr/local/nvidia/lib64 && "
+        "source /usr/local/nvidia/lib64/nccl-env-profile.sh && exec"
+    )
+    # --nccl-debug comes after the profile, which may set its own NCCL_DEBUG.
+    objects, _ = rendered("tcpxo", "2.3", nccl_debug="INFO")
+    debug = by_kind(objects, "TrainJob")["spec"]["trainer"]["command"][2]
+    assert "nccl-env-profile.sh && export NCCL_DEBUG=INFO && exec torchrun" in debug
     assert "exec torchrun -m train.finetune" in command[2]
     assert command[3] == "torchrun"  # $0; the job's args follow as "$@"
     assert job["spec"]["trainer"]["args"] == ["--epochs", "3"]

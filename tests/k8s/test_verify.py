@@ -81,7 +81,7 @@ def test_muster_rank_tags_name_the_rank() -> None:
 def test_another_fabric_than_expected_is_not_attached() -> None:
     report = analyse(read("efa-attached.log"), "ib")
     assert report.verdict == "other fabric"
-    assert report.exit_code == 4
+    assert report.exit_code == 5
     assert "another network than IB" in report.summary
     assert "AWS Libfabric" in report.summary
     assert report.cause is not None
@@ -120,3 +120,11 @@ def test_cli_reads_stdin() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "AWS Libfabric" in done.stdout
+
+
+def test_every_name_aws_ofi_nccl_gives_itself_is_efa() -> None:
+    for name in ("AWS Libfabric", "Libfabric", "OFI"):
+        line = f"[pod/job-node-0-0-a/node] ip-10-0-0-1:5:5 [0] NCCL INFO Using network {name}"
+        report = analyse([line], "efa")
+        assert report.verdict == "attached", (name, report.summary)
+        assert report.exit_code == 0
