@@ -127,9 +127,16 @@ class Client:
         return _answer(response)
 
     def follow(
-        self, job_id: str, *, rank: int | None = None, poll: float = 0.3
+        self,
+        job_id: str,
+        *,
+        rank: int | None = None,
+        poll: float = 0.3,
+        timeout: float | None = None,
     ) -> Iterator[dict[str, Any]]:
-        """The job's log lines (dicts: rank, origin, text, ...) as they arrive, until it ends."""
+        """The job's log lines (dicts: rank, origin, text, ...) as they arrive, until it ends
+        (TimeoutError after ``timeout`` seconds, printing or not; the job goes on)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         cursor = ""
         while True:
             page = self.logs(job_id, rank=rank, after=cursor, limit=PAGE)
@@ -139,6 +146,8 @@ class Client:
                 continue
             if page["state"] in TERMINAL:
                 return
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"job {job_id} is still {page['state']} after {timeout:g}s")
             time.sleep(poll)
 
     def wait(self, job_id: str, timeout: float | None = None, poll: float = 0.5) -> JobResult:
@@ -273,8 +282,13 @@ class AsyncClient:
         self._headers = {"Authorization": f"Bearer {secret}"} if secret else {}
         self._timeout = timeout
         self._http: httpx.AsyncClient | None = None
+        self._making = asyncio.Lock()  # two first calls at once make one client
 
     async def _client(self) -> httpx.AsyncClient:
+        async with self._making:
+            return await self._make()
+
+    async def _make(self) -> httpx.AsyncClient:
         if self._http is None:
             verify: ssl.SSLContext | bool = True
             if self.url.startswith("https://"):  # (reads the certificate: off the loop)
@@ -454,13 +468,15 @@ def launch(
     client = Client(controller, token)
     try:
         job_id = str(client.submit_with_bundle(parsed, where)["id"])
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
         if follow:
-            started = time.monotonic()
-            for line in client.follow(job_id):
+            for line in client.follow(job_id, timeout=left()):
                 write(_printed(line))
-                if timeout is not None and time.monotonic() - started > timeout:
-                    raise TimeoutError(f"job {job_id} still runs after {timeout:g}s")
-        result = client.wait(job_id, timeout=timeout)
+        result = client.wait(job_id, timeout=left())
     finally:
         client.close()
     if not result.ok:

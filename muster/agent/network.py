@@ -407,7 +407,7 @@ class GangNetwork:
             token = b""  # the peers will not answer: the probe fails, naming them
         # Over this agent's device (the direct path), a session that lost its first keys
         # heals when WireGuard shakes hands again: timed-out connections get the window.
-        owned = self.owner is not None and self.owner[0] == str(ids["job"])
+        owned = self.owner == (str(ids["job"]), ids["epoch"])
         window = READINESS_WINDOW_S if owned else 0.0
         results = await probe_peers(peers, seconds, timeout, token, window)
         results = await asyncio.to_thread(self._paths_taken, results, peers)

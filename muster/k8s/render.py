@@ -121,12 +121,19 @@ def _set_fields(spec: JobSpec) -> set[str]:
 
 
 def _dropped(spec: JobSpec) -> list[str]:
+    """The fields set to something other than their default that a TrainJob drops."""
     given = _set_fields(spec)
-    return [
-        f"{name} is not carried to Kubernetes: {why}"
-        for name, why in DROPPED.items()
-        if name in given
-    ]
+    said = []
+    for name, why in DROPPED.items():
+        if name not in given:
+            continue
+        *parents, leaf = name.split(".")
+        model: Any = spec
+        for part in parents:
+            model = getattr(model, part)
+        if getattr(model, leaf) != type(model).model_fields[leaf].default:
+            said.append(f"{name} is not carried to Kubernetes: {why}")
+    return said
 
 
 def _under_use(spec: JobSpec) -> str | None:

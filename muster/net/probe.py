@@ -170,12 +170,14 @@ def _cut(sock: socket.socket) -> None:
         sock.shutdown(socket.SHUT_RDWR)
 
 
-async def _socket_to(address: str, port: int) -> socket.socket:
+async def _socket_to(address: str, port: int, timeout: float | None = None) -> socket.socket:
     """A connected socket carrying the probe's mark (the gang's rules let it into the
-    network), to the first of the address's resolutions that answers."""
+    network), to the first of the address's resolutions that answers (``timeout`` each:
+    CONNECT_TIMEOUT_S by default)."""
+    timeout = CONNECT_TIMEOUT_S if timeout is None else timeout
     loop = asyncio.get_running_loop()
     found = await asyncio.wait_for(
-        loop.getaddrinfo(address, port, type=socket.SOCK_STREAM), CONNECT_TIMEOUT_S
+        loop.getaddrinfo(address, port, type=socket.SOCK_STREAM), timeout
     )
     error: OSError = OSError(f"{address} resolves to no address")
     for family, kind, proto, _name, where in found:
@@ -184,7 +186,7 @@ async def _socket_to(address: str, port: int) -> socket.socket:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, PROBE_MARK)
         sock.setblocking(False)
         try:
-            await asyncio.wait_for(loop.sock_connect(sock, where), CONNECT_TIMEOUT_S)
+            await asyncio.wait_for(loop.sock_connect(sock, where), timeout)
             return sock
         except OSError as exc:
             sock.close()
@@ -195,8 +197,10 @@ async def _socket_to(address: str, port: int) -> socket.socket:
     raise error
 
 
-async def _connect(address: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    sock = await _socket_to(address, port)
+async def _connect(
+    address: str, port: int, timeout: float | None = None
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    sock = await _socket_to(address, port, timeout)
     try:
         return await asyncio.open_connection(sock=sock)
     except BaseException:
@@ -211,20 +215,26 @@ async def measure(
     are tried again for up to ``window`` seconds (0: READINESS_CONNECTIONS tries)."""
     connects = attempts = 0
     last_error = ""
+    timed_out = False  # the last failure was a timeout (a refusal ends the window)
+    answered = False  # the last attempt connected: the path works, the rest may follow
     first = time.monotonic()
-    while connects < READINESS_CONNECTIONS:
-        if attempts >= READINESS_CONNECTIONS and (
-            not last_error.startswith("TimeoutError")
-            or time.monotonic() - first + CONNECT_TIMEOUT_S > window
-            or attempts >= READINESS_MAX_ATTEMPTS
-        ):
-            break
+    deadline = first + window
+    while connects < READINESS_CONNECTIONS and attempts < READINESS_MAX_ATTEMPTS:
+        limit = CONNECT_TIMEOUT_S
+        if attempts - connects >= READINESS_CONNECTIONS and not answered:
+            left = deadline - time.monotonic()
+            if not timed_out or left <= 0:
+                break
+            # The window's last try fits in what is left of it (never a uselessly short one).
+            limit = min(CONNECT_TIMEOUT_S, max(left, CONNECT_TIMEOUT_S / 5))
         attempts += 1
         try:
-            _reader, writer = await _connect(address, port)
+            _reader, writer = await _connect(address, port, limit)
         except (OSError, TimeoutError) as exc:
             last_error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            timed_out, answered = isinstance(exc, TimeoutError), False
             continue
+        answered = True
         connects += 1
         writer.write(b"c" + token)
         writer.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import pytest
 
 from muster.cli.local import LocalCluster
 from muster.errors import InfrastructureError, JobFailed, SpecError, UserError
-from tests.e2e.helpers import write_job
+from tests.e2e.helpers import wait_state, write_job
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(600)
@@ -90,6 +91,23 @@ def test_bad_input_raises_muster_errors_before_anything_runs(
     with pytest.raises(UserError, match="workdir"):
         launch({"name": "nowhere", "entrypoint": "train.py"}, workdir=tmp_path / "absent",
                controller=cluster.url, token=cluster.token())  # fmt: skip
+
+
+def test_launch_times_out_on_a_silent_job_and_leaves_it_running(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    from muster import launch
+
+    job = write_job(tmp_path / "silent", "silent", "import time\ntime.sleep(120)\n")
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="after 3s"):
+        launch(job, controller=cluster.url, token=cluster.token(), output=print, timeout=3)
+    assert time.monotonic() - started < 15  # the bound holds though nothing is printed
+    api = cluster.client()
+    (silent,) = [j for j in api.jobs() if j["name"] == "silent"]
+    assert silent["state"] not in ("succeeded", "failed", "cancelled")
+    api.cancel(silent["id"])
+    wait_state(api, silent["id"])
 
 
 def test_the_async_client_follows_and_waits(cluster: LocalCluster, tmp_path: Path) -> None:

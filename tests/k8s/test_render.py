@@ -381,7 +381,10 @@ def test_fields_kubernetes_drops_are_named_and_the_controllers_env_reaches_the_p
     assert env["OMP_NUM_THREADS"] == "1"
     # A spec that sets none of them renders without a word about them; the user's own
     # OMP_NUM_THREADS stands.
-    plain = render(parse_job(dict(JOB, env={"OMP_NUM_THREADS": "4"})), RenderOptions())
+    plain = render(  # (fields set to their defaults drop nothing)
+        parse_job(dict(JOB, env={"OMP_NUM_THREADS": "4"}, priority=0, output_dir="outputs")),
+        RenderOptions(),
+    )
     assert not any("not carried" in w for w in plain.warnings)
     assert env_of(plain.objects[0])["OMP_NUM_THREADS"] == "4"
     assert env_of(plain.objects[0])["MUSTER_OUTPUT_DIR"] == "outputs"
