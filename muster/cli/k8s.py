@@ -203,12 +203,23 @@ def preflight_cmd(
     runtime: str | None = RuntimeOpt,
     gpu_nic_networks: str | None = NetworksOpt,
     node_selector: list[str] = SelectorOpt,
+    toleration: list[str] = TolerationOpt,
+    tcpxo_daemon_image: str | None = DaemonOpt,
     context: str | None = ContextOpt,
 ) -> None:
-    """Read the cluster: EFA counts agree, gpu-nic networks exist, the runtime exists."""
+    """Read the cluster: EFA counts agree; for TCPXO the gpu-nic networks, 8-GPU nodes whose
+    taints are tolerated, and the daemon paired with the installed plugin; the runtime."""
     spec = load_job_file(job_file)
     opts = options(
-        fabric, trainer_version, namespace, runtime, gpu_nic_networks, None, node_selector
+        fabric,
+        trainer_version,
+        namespace,
+        runtime,
+        gpu_nic_networks,
+        None,
+        node_selector,
+        toleration,
+        tcpxo_daemon_image=tcpxo_daemon_image,
     )
     cluster = Cluster.connect(namespace, context)
     report = cluster.preflight(opts)
@@ -243,6 +254,11 @@ def _render_line(job_file: Path, opts: RenderOptions) -> list[str]:
         line += ["--gpu-nic-networks", ",".join(opts.gpu_nic_networks)]
     for key, value in opts.node_selector.items():
         line += ["--node-selector", f"{key}={value}"]
+    for item in opts.tolerations:
+        text = item["key"] + (f"={item['value']}" if "value" in item else "")
+        line += ["--toleration", text + (f":{item['effect']}" if "effect" in item else "")]
+    if opts.tcpxo_daemon_image != fab.TCPXO_DAEMON_IMAGE:
+        line += ["--tcpxo-daemon-image", opts.tcpxo_daemon_image]
     return line
 
 

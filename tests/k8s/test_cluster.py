@@ -395,6 +395,21 @@ def test_preflight_and_apply_commands_fill_in_what_the_cluster_tells(
     done = runner.invoke(app, [*again, "--yes"])
     assert done.exit_code == 0, done.output
     assert custom.deleted == ["trainjobs/llama-ft"]
+    # TCPXO: the tolerations and the daemon image given to preflight are the ones it checks.
+    nets = ",".join(f"n-gpu-nic-{i}" for i in range(8))
+    core.node_list = A3_MEGA
+    tcpxo = ["k8s", "preflight", job, "--fabric", "tcpxo", "--gpu-nic-networks", nets]
+    tcpxo += ["--node-selector", "cloud.google.com/gke-accelerator=nvidia-h100-mega-80gb"]
+    done = runner.invoke(app, tcpxo)
+    assert done.exit_code == 1, done.output
+    assert "not tolerated: nvidia.com/gpu=present:NoSchedule" in done.output
+    done = runner.invoke(app, [*tcpxo, "--toleration", "nvidia.com/gpu:NoSchedule"])
+    assert "ok   nodes: 2 node(s) with 8 GPUs" in done.output, done.output
+    assert "--toleration nvidia.com/gpu:NoSchedule" in done.output  # in the render line
+    core.node_list = [
+        node(f"p5-{i}", GPU_POOL, **{"nvidia.com/gpu": "8", "vpc.amazonaws.com/efa": "32"})
+        for i in range(2)
+    ]
     core.node_list.append(
         node("p4d-0", GPU_POOL, **{"nvidia.com/gpu": "8", "vpc.amazonaws.com/efa": "4"})
     )
