@@ -483,10 +483,25 @@ table ip muster_rig_nat {
         deadline = time.monotonic() + timeout
         job: dict[str, Any] = self.api("job", job_id)
         while job["state"] not in ("succeeded", "failed", "cancelled"):
-            assert time.monotonic() < deadline, f"{job_id} still {job['state']}: {job['events']}"
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"{job_id} still {job['state']}: {job['events']}\n{self.log_tails()}"
+                )
             time.sleep(0.5)
             job = self.api("job", job_id)
         return job
+
+    def log_tails(self, lines: int = 25) -> str:
+        """The last lines of every log on the rig (agents, controller, wireguard-go): what a
+        failed test's message carries, so a CI failure explains itself."""
+        out = []
+        for path in sorted(self.root.rglob("*.log")):
+            try:
+                tail = path.read_text(errors="replace").splitlines()[-lines:]
+            except OSError:
+                continue
+            out.append(f"--- {path.relative_to(self.root)} ---\n" + "\n".join(tail))
+        return "\n".join(out)
 
     def wait_for_workers(self, names: Sequence[str], timeout: float = 90) -> None:
         """Until every worker in ``names`` is connected and idle (bounded)."""
