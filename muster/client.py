@@ -473,10 +473,16 @@ def launch(
         def left() -> float | None:
             return None if deadline is None else max(0.0, deadline - time.monotonic())
 
-        if follow:
-            for line in client.follow(job_id, timeout=left()):
-                write(_printed(line))
-        result = client.wait(job_id, timeout=left())
+        try:
+            if follow:
+                for line in client.follow(job_id, timeout=left()):
+                    write(_printed(line))
+            result = client.wait(job_id, timeout=left())
+        except TimeoutError:
+            raise TimeoutError(
+                f"job {job_id} did not end within {timeout:g}s; it goes on "
+                f"(`muster cancel {job_id}` stops it)"
+            ) from None
     finally:
         client.close()
     if not result.ok:
