@@ -101,6 +101,13 @@ def pinned_ssl_context(url: str, fingerprint: str | None) -> ssl.SSLContext:
     return context
 
 
+def _credentials(token: str | None) -> tuple[dict[str, str], str | None]:
+    """The Authorization header for ``token`` (or MUSTER_API_TOKEN), and its certificate pin."""
+    token = token or os.environ.get("MUSTER_API_TOKEN")
+    secret, pin = split_token(token) if token else ("", None)
+    return ({"Authorization": f"Bearer {secret}"} if secret else {}), pin
+
+
 class Client:
     """One controller's API. Errors come back as muster's own (SpecError for 422, ...)."""
 
@@ -108,9 +115,7 @@ class Client:
         self, url: str | None = None, token: str | None = None, timeout: float = 60.0
     ) -> None:
         self.url = controller_url(url)
-        token = token or os.environ.get("MUSTER_API_TOKEN")
-        secret, pin = split_token(token) if token else ("", None)
-        headers = {"Authorization": f"Bearer {secret}"} if secret else {}
+        headers, pin = _credentials(token)
         verify: ssl.SSLContext | bool = True
         if self.url.startswith("https://"):
             verify = pinned_ssl_context(self.url, pin)
@@ -277,9 +282,7 @@ class AsyncClient:
         self, url: str | None = None, token: str | None = None, timeout: float = 60.0
     ) -> None:
         self.url = controller_url(url)
-        token = token or os.environ.get("MUSTER_API_TOKEN")
-        secret, self._pin = split_token(token) if token else ("", None)
-        self._headers = {"Authorization": f"Bearer {secret}"} if secret else {}
+        self._headers, self._pin = _credentials(token)
         self._timeout = timeout
         self._http: httpx.AsyncClient | None = None
         self._making = asyncio.Lock()  # two first calls at once make one client
