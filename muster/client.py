@@ -108,6 +108,30 @@ def _credentials(token: str | None) -> tuple[dict[str, str], str | None]:
     return ({"Authorization": f"Bearer {secret}"} if secret else {}), pin
 
 
+def _log_params(
+    rank: int | None,
+    node: int | None,
+    after: str,
+    limit: int,
+    ranks: str,
+    origin: str | None,
+    before: str,
+    tail: bool,
+) -> dict[str, Any]:
+    params: dict[str, Any] = {"limit": limit}
+    for key, value in (("after", after), ("ranks", ranks), ("before", before)):
+        if value:
+            params[key] = value
+    if tail:
+        params["tail"] = "true"
+    for key, number in (("rank", rank), ("node", node)):
+        if number is not None:
+            params[key] = number
+    if origin is not None:
+        params["origin"] = origin
+    return params
+
+
 class Client:
     """One controller's API. Errors come back as muster's own (SpecError for 422, ...)."""
 
@@ -211,12 +235,16 @@ class Client:
         node: int | None = None,
         after: str = "",
         limit: int = 10_000,
+        ranks: str = "",
+        origin: str | None = None,
+        before: str = "",
+        tail: bool = False,
     ) -> dict[str, Any]:
-        params: dict[str, Any] = {"after": after, "limit": limit}
-        if rank is not None:
-            params["rank"] = rank
-        if node is not None:
-            params["node"] = node
+        """A page of a job's lines: forwards from ``after`` (the previous page's ``next``), or
+        backwards with ``tail=True`` (the newest) and ``before`` (a page's ``prev``). Filters:
+        ``rank`` or ``ranks`` ("0-3,7"), ``node``, ``origin`` ("rank", or "node" for torchrun's
+        own lines)."""
+        params = _log_params(rank, node, after, limit, ranks, origin, before, tail)
         result: dict[str, Any] = self._call("GET", f"/v1/jobs/{job_id}/logs", params=params)
         return result
 
@@ -341,11 +369,20 @@ class AsyncClient:
         return dict(await self._call("POST", f"/v1/jobs/{job_id}/cancel"))
 
     async def logs(
-        self, job_id: str, *, rank: int | None = None, after: str = "", limit: int = PAGE
+        self,
+        job_id: str,
+        *,
+        rank: int | None = None,
+        node: int | None = None,
+        after: str = "",
+        limit: int = PAGE,
+        ranks: str = "",
+        origin: str | None = None,
+        before: str = "",
+        tail: bool = False,
     ) -> dict[str, Any]:
-        params: dict[str, Any] = {"after": after, "limit": limit}
-        if rank is not None:
-            params["rank"] = rank
+        """As ``Client.logs``."""
+        params = _log_params(rank, node, after, limit, ranks, origin, before, tail)
         return dict(await self._call("GET", f"/v1/jobs/{job_id}/logs", params=params))
 
     async def artifacts(self, job_id: str) -> list[dict[str, Any]]:

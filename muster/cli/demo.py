@@ -32,7 +32,9 @@ def demo(
         cluster.__enter__()
     try:
         err.print(
-            f"controller {cluster.url}, {agents} agents, data in {cluster.data_dir}", markup=False
+            f"controller {cluster.url}, {agents} agents, data in {cluster.data_dir}; "
+            f"dashboard {cluster.url}/ while it runs",
+            markup=False,
         )
         api = cluster.client()
         job_id = api.submit_with_bundle(spec, (job_file.parent / spec.workdir).resolve())["id"]

@@ -23,7 +23,7 @@ from muster.store import ensure_data_dir, open_store
 @reports_errors
 def server(
     host: str = typer.Option("127.0.0.1", help="address to bind; off loopback needs the token"),
-    port: int = typer.Option(7070, help="the one port: API, agents' links, /metrics"),
+    port: int = typer.Option(7070, help="the one port: API, dashboard, agents' links, /metrics"),
     db: str = typer.Option(None, "--db", help="SQLite path or postgresql://... [data dir]"),
     artifacts: Path = typer.Option(None, help="where bundles and outputs go [data dir]"),
     heartbeat_timeout: float = typer.Option(15.0, help="seconds of agent silence = lost"),
@@ -78,6 +78,8 @@ def server(
     where = store.db.engine.url.render_as_string(hide_password=True)
     scheme = "https" if tls else "http"
     err.print(f"muster controller on {scheme}://{host}:{port} (database {where})", markup=False)
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    err.print(f"dashboard: {scheme}://{shown}:{port}/", markup=False)
     if tls:
         err.print(
             f"TLS certificate sha256:{fingerprint(cert_pem)}; agents need the join string "

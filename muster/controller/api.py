@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Literal
 
 import orjson
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
@@ -109,7 +109,11 @@ async def list_jobs(request: Request) -> Response:
 
 @users.get("/jobs/{job_id}")
 async def describe(job_id: str, request: Request) -> dict[str, Any]:
-    st, ctl = store(request), controller(request)
+    return await job_detail(store(request), controller(request), job_id)
+
+
+async def job_detail(st: Store, ctl: Controller, job_id: str) -> dict[str, Any]:
+    """A job as ``muster describe`` and the dashboard show it."""
     job = await ctl.db(st.job, job_id)
     spec = st.job_spec(job)
     plan = rank_plan(spec)
@@ -175,23 +179,38 @@ async def logs(
     job_id: str,
     request: Request,
     rank: int | None = Query(None, ge=0, lt=INT32),
+    ranks: str = Query("", max_length=1000, description="global ranks, e.g. 0-3,7"),
     node: int | None = None,
+    origin: Literal["rank", "node"] | None = None,
     after: str = "",
+    before: str = "",
+    tail: bool = False,
     limit: int = Query(10_000, ge=1),
 ) -> dict[str, Any]:
-    """Lines after the cursor ``after`` (opaque; from the previous answer's ``next``)."""
+    """Lines after the cursor ``after`` (opaque; from the previous answer's ``next``).
+
+    Reading backwards: ``tail=true`` gives the newest ``limit`` lines, and ``before`` (a
+    previous answer's ``prev``) the page before a line; both still in ingest order. Filters:
+    ``rank`` or ``ranks`` (e.g. ``0-3,7``) for ranks' own lines, ``node`` for a node's ranks,
+    or with ``origin=node`` that node's launcher (torchrun) lines.
+    """
     st, ctl = store(request), controller(request)
     job = await ctl.db(st.job, job_id)
-    cursor = _decode_cursor(after)
-    ranks: list[int] | None = None
-    if node is not None:
-        plan = rank_plan(st.job_spec(job))
-        if not 0 <= node < plan.num_nodes:
-            raise BadRequest(f"--node {node}: the job has nodes 0..{plan.num_nodes - 1}")
-        ranks = list(plan.nodes[node].ranks)
-    if rank is not None:
-        ranks = [rank] if ranks is None or rank in ranks else []
-    lines = await ctl.db(st.logs_after, job_id, cursor, ranks=ranks, limit=min(limit, 50_000))
+    chosen = _chosen_ranks(lambda: st.job_spec(job), rank, ranks, node, origin)
+    limit = min(limit, 50_000)
+    if before or tail:
+        if after:
+            raise UserError("after: read forwards with after, or backwards with before/tail")
+        edge = _decode_cursor(before, "before") if before else None
+        lines = await ctl.db(st.logs_before, job_id, edge, ranks=chosen, origin=origin, limit=limit)
+        # After a tail, follow from its last line (from the start when it was empty).
+        next_cursor = lines[-1].ingest_id if lines else 0
+    else:
+        cursor = _decode_cursor(after)
+        lines = await ctl.db(
+            st.logs_after, job_id, cursor, ranks=chosen, origin=origin, limit=limit
+        )
+        next_cursor = lines[-1].ingest_id if lines else cursor
     return {
         "job": job_id,
         "state": job.state,
@@ -207,20 +226,68 @@ async def logs(
             }
             for ln in lines
         ],
-        "next": _encode_cursor(lines[-1].ingest_id if lines else cursor),
+        "next": _encode_cursor(next_cursor),
+        # The cursor of the first line (before=prev reads the page ahead of it); null when
+        # there is nothing before.
+        "prev": _encode_cursor(lines[0].ingest_id) if lines else None,
     }
 
 
-def _decode_cursor(text: str) -> int:
+MAX_RANK_SET = 1 << 20  # what ``ranks`` may expand to
+
+
+def _chosen_ranks(
+    spec: Callable[[], Any], rank: int | None, ranks: str, node: int | None, origin: str | None
+) -> list[int] | None:
+    """The rank (or, with origin=node, node) numbers a logs query keeps; None: all."""
+    if rank is not None and ranks:
+        raise UserError("rank and ranks: give one of them")
+    chosen: list[int] | None = None
+    if ranks:
+        chosen = parse_ranks(ranks)
+    elif rank is not None:
+        chosen = [rank]
+    if origin == "node":
+        if chosen is not None:
+            raise UserError("origin=node reads a node's launcher lines: filter with node, not rank")
+        return None if node is None else [node]
+    if node is not None:
+        plan = rank_plan(spec())
+        if not 0 <= node < plan.num_nodes:
+            raise UserError(f"--node {node}: the job has nodes 0..{plan.num_nodes - 1}")
+        in_node = plan.nodes[node].ranks
+        chosen = list(in_node) if chosen is None else [r for r in chosen if r in in_node]
+    return chosen
+
+
+def parse_ranks(text: str) -> list[int]:
+    """``0-3,7`` -> [0, 1, 2, 3, 7]; a 400 naming the bad part otherwise."""
+    found: set[int] = set()
+    for part in (p.strip() for p in text.split(",")):
+        lo_text, dash, hi_text = part.partition("-")
+        try:
+            lo = int(lo_text)
+            hi = int(hi_text) if dash else lo
+        except ValueError:
+            raise UserError(f"ranks: {part!r} is not a rank or a range; write e.g. 0-3,7") from None
+        if not 0 <= lo <= hi < INT32:
+            raise UserError(f"ranks: {part!r} is not a range of ranks from low to high")
+        if len(found) + hi - lo + 1 > MAX_RANK_SET:
+            raise UserError(f"ranks: more than {MAX_RANK_SET} ranks; give fewer")
+        found.update(range(lo, hi + 1))
+    return sorted(found)
+
+
+def _decode_cursor(text: str, name: str = "after") -> int:
     """The ingest id of the last line the caller saw (0: none yet)."""
     if not text:
         return 0
     try:
         data = json.loads(base64.urlsafe_b64decode(text.encode()))
     except ValueError as exc:
-        raise BadRequest("after: not a cursor this API returned") from exc
+        raise BadRequest(f"{name}: not a cursor this API returned") from exc
     if isinstance(data, bool) or not isinstance(data, int) or not 0 <= data < INT64:
-        raise BadRequest("after: not a cursor this API returned; start again without it")
+        raise BadRequest(f"{name}: not a cursor this API returned; start again without it")
     return data
 
 
@@ -289,7 +356,10 @@ async def upload_artifact(
 
 @users.get("/jobs/{job_id}/artifacts")
 async def list_artifacts(job_id: str, request: Request) -> list[dict[str, Any]]:
-    st, ctl = store(request), controller(request)
+    return await artifact_list(store(request), controller(request), job_id)
+
+
+async def artifact_list(st: Store, ctl: Controller, job_id: str) -> list[dict[str, Any]]:
     await ctl.db(st.job, job_id)
     return [
         {
@@ -314,7 +384,11 @@ async def download_artifact(
 
 @users.get("/workers")
 async def list_workers(request: Request) -> list[dict[str, Any]]:
-    st, ctl = store(request), controller(request)
+    return await worker_list(store(request), controller(request))
+
+
+async def worker_list(st: Store, ctl: Controller) -> list[dict[str, Any]]:
+    """Every worker as ``muster get workers`` and the dashboard show it."""
     rows = await ctl.db(st.worker_rows)
     return [
         {

@@ -14,6 +14,7 @@ from fastapi import Depends, FastAPI, Request, Response, WebSocket
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from muster.controller import dashboard
 from muster.controller.api import agents, router, users
 from muster.controller.auth import Guard, Tickets, credentials, require_user
 from muster.controller.files import FileStore
@@ -111,6 +112,7 @@ def create_app(config: ControllerConfig) -> FastAPI:
     app.include_router(router)
     app.include_router(users)
     app.include_router(agents)
+    app.include_router(dashboard.router)
 
     @app.exception_handler(MusterError)
     async def muster_error(_request: Request, exc: MusterError) -> JSONResponse:

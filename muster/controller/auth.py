@@ -14,7 +14,12 @@
                     open_admission            see muster.wire and Controller.open_to
 
 On loopback without TLS the user routes are open (one machine, one user: the demo);
-whenever TLS is on or the bind is off loopback they want the API token. The agent routes
+whenever TLS is on or the bind is off loopback they want the API token. The dashboard's
+login (muster.controller.dashboard) checks the API token once and sets a session cookie,
+signed with it, that stands for the token on user routes for 12 hours: alone on GET, and
+with the header ``X-Muster-UI: 1`` on anything that changes state (a page on another site
+can make a browser send the cookie, never that header). Changing the API token ends every
+session. The agent routes
 always want a live ticket. No credential, or one the controller does not know: 401. A known
 credential without the right to the call (a ticket on a user route, the API token on an
 agent route, the join secret anywhere): 403. Every comparison is constant-time.
@@ -25,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+import time
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -33,6 +39,10 @@ from muster.errors import Forbidden, Unauthorized
 from muster.store import Store
 
 API_HINT = "send Authorization: Bearer <API token> (`muster token --api` on the controller)"
+SESSION_COOKIE = "muster_session"
+SESSION_TTL_S = 12 * 3600
+UI_HEADER = "x-muster-ui"
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
 @dataclass(frozen=True)
@@ -88,6 +98,30 @@ class Guard:
         scheme, _, value = request.headers.get("authorization", "").partition(" ")
         return scheme.strip().lower(), value.strip()
 
+    def session(self, now: float | None = None) -> str:
+        """A dashboard session cookie's value: its expiry, signed with the API token."""
+        expires = int((time.time() if now is None else now) + SESSION_TTL_S)
+        return f"{expires}.{self._sign(expires)}"
+
+    def _sign(self, expires: int) -> str:
+        key = self.creds.api_token.encode()
+        return hmac.new(key, f"muster-ui-session:{expires}".encode(), "sha256").hexdigest()
+
+    def has_session(self, request: Request) -> bool:
+        expires, _, signature = request.cookies.get(SESSION_COOKIE, "").partition(".")
+        if not expires.isdigit() or int(expires) < time.time():
+            return False
+        return same_secret(signature, self._sign(int(expires)))
+
+    def may_read(self, request: Request) -> bool:
+        """Whether a dashboard page may be shown: what a user GET route would let through."""
+        scheme, value = self._parse(request)
+        if not self.users_need_token:
+            return True
+        if scheme == "bearer" and same_secret(value, self.creds.api_token):
+            return True
+        return self.has_session(request)
+
     def user(self, request: Request) -> None:
         """A user route: the API token (or nothing, on loopback without TLS)."""
         scheme, value = self._parse(request)
@@ -95,6 +129,13 @@ class Guard:
             return
         if not self.users_need_token:
             return
+        if not value and self.has_session(request):
+            if request.method in SAFE_METHODS or request.headers.get(UI_HEADER) == "1":
+                return
+            raise Forbidden(
+                f"a dashboard session changes nothing without the header {UI_HEADER}: 1 "
+                "(the dashboard's own buttons send it)"
+            )
         if scheme == "ticket" and self.tickets.worker(value) is not None:
             raise Forbidden("an agent's ticket may only fetch its bundle and upload its outputs")
         if scheme == "bearer" and same_secret(value, self.creds.join_secret):

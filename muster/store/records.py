@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import Select, false, or_, select
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError, IntegrityError
 
@@ -293,7 +293,8 @@ class RecordRepository(Repository):
         job_id: str,
         after: int,
         *,
-        ranks: list[int] | None = None,
+        ranks: Sequence[int] | None = None,
+        origin: str | None = None,
         limit: int = 10_000,
     ) -> list[LogLine]:
         """Lines stored after the line whose ``ingest_id`` is ``after`` (0: from the start).
@@ -301,18 +302,36 @@ class RecordRepository(Repository):
         In ingest order, at most ``limit``. The next call's ``after`` is the last line's
         ``ingest_id`` (or the same ``after`` when none came): no line is missed or repeated,
         whatever the number of ranks. With ``ranks``, only those global ranks' own lines
-        (no launcher lines).
+        (no launcher lines); with ``origin="node"``, only launcher lines (of the nodes in
+        ``ranks``, when given).
         """
-        if isinstance(after, bool) or not isinstance(after, int):
-            raise TypeError(
-                "logs_after takes the ingest_id of the last line seen (an int, 0 at first), "
-                f"not {type(after).__name__}"
-            )
+        _check_cursor("logs_after", after)
         with self.db.read() as s:
             query = select(LogLine).where(LogLine.job_id == job_id, LogLine.ingest_id > after)
-            if ranks is not None:
-                query = query.where(LogLine.origin == "rank", LogLine.rank.in_(ranks))
+            query = _log_filter(query, ranks, origin)
             return list(s.scalars(query.order_by(LogLine.ingest_id).limit(limit)))
+
+    def logs_before(
+        self,
+        job_id: str,
+        before: int | None,
+        *,
+        ranks: Sequence[int] | None = None,
+        origin: str | None = None,
+        limit: int = 10_000,
+    ) -> list[LogLine]:
+        """The last ``limit`` lines stored before the line whose ``ingest_id`` is ``before``
+        (None: the job's newest lines), in ingest order: a page further back, for a reader
+        that scrolls up (the dashboard) or starts at the tail. Filters as ``logs_after``."""
+        if before is not None:
+            _check_cursor("logs_before", before)
+        with self.db.read() as s:
+            query = select(LogLine).where(LogLine.job_id == job_id)
+            if before is not None:
+                query = query.where(LogLine.ingest_id < before)
+            query = _log_filter(query, ranks, origin)
+            newest_first = s.scalars(query.order_by(LogLine.ingest_id.desc()).limit(limit))
+            return list(newest_first)[::-1]
 
     # ---- artifacts, settings -------------------------------------------------------------
 
@@ -561,3 +580,38 @@ _PG_INSERT_LINES = (
     "SELECT %s, * FROM unnest(%s::varchar[], %s::int[], %s::bigint[], %s::bigint[], "
     "%s::varchar[], %s::text[], %s::bytea[], %s::bigint[]) ON CONFLICT DO NOTHING"
 )
+
+
+def _check_cursor(what: str, cursor: object) -> None:
+    if isinstance(cursor, bool) or not isinstance(cursor, int):
+        raise TypeError(
+            f"{what} takes the ingest_id of a line (an int, 0 at first), "
+            f"not {type(cursor).__name__}"
+        )
+
+
+def rank_runs(ranks: Sequence[int]) -> list[tuple[int, int]]:
+    """Ranks as inclusive runs of consecutive numbers: [0, 1, 2, 7] -> [(0, 2), (7, 7)]."""
+    runs: list[tuple[int, int]] = []
+    for rank in sorted(set(ranks)):
+        if runs and runs[-1][1] == rank - 1:
+            runs[-1] = (runs[-1][0], rank)
+        else:
+            runs.append((rank, rank))
+    return runs
+
+
+def _log_filter(query: Select[Any], ranks: Sequence[int] | None, origin: str | None) -> Select[Any]:
+    """Only ``origin``'s lines (``ranks`` given and no origin: the ranks' own lines), of the
+    ranks (or nodes) in ``ranks``. The ranks go to the database as runs of consecutive
+    numbers, so a thousand ranks are one BETWEEN, not a thousand bound values."""
+    if origin is not None:
+        query = query.where(LogLine.origin == origin)
+    elif ranks is not None:
+        query = query.where(LogLine.origin == "rank")
+    if ranks is not None:
+        runs = rank_runs(ranks)
+        if not runs:
+            return query.where(false())
+        query = query.where(or_(*(LogLine.rank.between(lo, hi) for lo, hi in runs)))
+    return query

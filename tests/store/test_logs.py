@@ -210,3 +210,28 @@ def test_lines_the_database_refuses_are_found_and_the_rest_stored(store: Store) 
     events = [e.message for e in store.events(a) if e.kind == "LogLinesRejected"]
     assert len(events) == 1
     assert events[0].startswith("2 log line(s) could not be stored")
+
+
+def test_pages_back_from_the_tail_and_filters_by_origin_and_rank_runs(store: Store) -> None:
+    """The dashboard starts at the tail and scrolls up a page at a time: every line once,
+    in order; a thousand ranks filter as runs, and a node's launcher lines alone."""
+    job = store.submit_job(gang(1)).id
+    now = time.time()
+    lines = [("rank", r, s, now, "stdout", f"r{r} s{s}") for s in range(1, 4) for r in range(1200)]
+    lines += [("node", 0, 1, now, "stderr", "torchrun 0"), ("node", 1, 1, now, "stderr", "tr 1")]
+    store.append_logs(job, lines)
+    pages: list[list[str]] = []
+    before: int | None = None
+    while page := store.logs_before(job, before, limit=1000):
+        pages.append([ln.text for ln in page])
+        before = page[0].ingest_id
+    back = [text for page in reversed(pages) for text in page]
+    assert back == [ln.text for ln in store.logs_after(job, 0, limit=10_000)]
+    assert len(back) == len(lines)
+    assert [ln.text for ln in store.logs_before(job, None, limit=2)] == back[-2:]
+    many = store.logs_after(job, 0, ranks=[*range(1000), 1100], limit=10_000)
+    assert {ln.rank for ln in many} == {*range(1000), 1100}
+    assert {ln.origin for ln in many} == {"rank"}
+    node1 = store.logs_before(job, None, ranks=[1], origin="node", limit=10)
+    assert [(ln.origin, ln.text) for ln in node1] == [("node", "tr 1")]
+    assert store.logs_after(job, 0, ranks=[], limit=10) == []
