@@ -197,6 +197,41 @@ def test_a_job_appears_its_logs_stream_filter_by_rank_and_cancel_stops_it(
     page.context.close()
 
 
+def test_a_join_window_shows_its_roster_and_starts_from_the_page(
+    browser: Any, cluster: LocalCluster, tmp_path: Path
+) -> None:
+    from tests.e2e.test_window import wait_window, walk_in, window_job
+
+    api = cluster.client()
+    job = submit(api, window_job(tmp_path, "manual", {"start": "manual", "quorum": 1}, hosts=1))
+    page = signed_in(browser, cluster)
+    page.goto(f"{cluster.url}/ui/jobs/{job}")
+    page.wait_for_selector("#window-phase")
+    assert page.inner_text("#window-phase") == "waiting"
+    assert page.locator("#start").count() == 0, "no Start before the quorum is in"
+    box = walk_in(cluster, job, "box-a")
+    try:
+        wait_window(api, job, "staging", ranks=1)
+        page.wait_for_selector("#start")  # the page refreshes itself
+        assert "box-a" in page.inner_text("#job-detail")
+        assert page.inner_text("#window-phase") == "staging"
+        shot(page, "job-window")
+        page.click("#start")
+        page.wait_for_function(
+            "() => document.querySelector('#job-state').textContent.trim() === 'succeeded'",
+            timeout=120_000,
+        )
+        assert box.wait(60) == 0
+    finally:
+        if box.poll() is None:
+            box.kill()
+    page.wait_for_function(
+        "() => [...document.querySelectorAll('#logview .ln')]"
+        ".some(r => r.textContent === '[rank 0] rank 0 of 1 sum=1')"
+    )
+    page.context.close()
+
+
 def _last_tick(lines: list[str], rank: int) -> int:
     prefix = f"[rank {rank}] rank {rank} tick "
     ticks = [int(line[len(prefix) :]) for line in lines if line.startswith(prefix)]
