@@ -95,6 +95,7 @@ class AgentConfig:
     # lost its path (NET_PATH: the job's NetworkDegraded). Idle tunnels carry a keepalive
     # every 25 s, so it is more than two of those.
     path_timeout: float = 60.0
+    handshake_timeout: float = 30.0  # a new device's wait for every peer's first handshake
     # The name of this agent's WireGuard device (claimed by `muster agent`, one per agent).
     device: str = MESH_INTERFACE
     # `muster join --ssh`: each dial goes through a fresh OpenSSH forward (``controller`` is
@@ -169,6 +170,7 @@ class Agent:
             _reflector(config),
             config.worker_id,
             path_timeout=config.path_timeout,
+            handshake_timeout=config.handshake_timeout,
             device=config.device,
         )
 

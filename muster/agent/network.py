@@ -55,10 +55,12 @@ class GangNetwork:
         worker_id: str = "",
         *,
         path_timeout: float = 60.0,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT_S,
         device: str = MESH_INTERFACE,
     ) -> None:
         self.send = send
         self.path_timeout = path_timeout
+        self.handshake_timeout = handshake_timeout
         self.firewall = firewall.Firewall(worker_id)
         self.firewall_id = worker_id
         self.groups: cgroup.RankGroups | None = None  # where the ranks' cgroups are made
@@ -141,7 +143,7 @@ class GangNetwork:
             return
         if silent:
             why = "no WireGuard handshake within {:.0f}s with {}".format(
-                HANDSHAKE_TIMEOUT_S,
+                self.handshake_timeout,
                 ", ".join(f"{p.address} at {p.endpoint}" for p in silent),
             )
             log.warning("job %s: %s", ids["job"], why)
@@ -153,8 +155,8 @@ class GangNetwork:
     async def _await_handshakes(
         self, peers: list[Peer], owner: tuple[str, int] | None
     ) -> list[Peer]:
-        """The peers with no handshake yet once HANDSHAKE_TIMEOUT_S is over (or none)."""
-        deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
+        """The peers with no handshake yet once ``handshake_timeout`` is over (or none)."""
+        deadline = time.monotonic() + self.handshake_timeout
         while True:
             if self.owner != owner:  # taken down (a STOP, the agent stopping), or another's
                 raise RuntimeError("the device was removed")

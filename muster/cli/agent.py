@@ -73,6 +73,14 @@ def agent(
         "NetworkDegraded condition says the pair lost its path (idle tunnels send a "
         "keepalive every 25 s)",
     ),
+    handshake_timeout: float = typer.Option(
+        30.0,
+        min=5.0,
+        max=90.0,
+        help="seconds a new direct-path device waits for a WireGuard handshake with every "
+        "peer before the epoch is fenced, naming the silent ones (wireguard-go retries a "
+        "handshake every 5 s; the controller's bound on the whole set-up is 120 s)",
+    ),
     grace: float = typer.Option(10.0, help="seconds between SIGTERM and SIGKILL on stop"),
     retention: str = typer.Option(
         "0",
@@ -95,6 +103,7 @@ def agent(
         path_timeout=path_timeout,
         grace=grace,
         retention=retention,
+        handshake_timeout=handshake_timeout,
     )
 
 
@@ -277,6 +286,7 @@ def serve(
     path_timeout: float,
     grace: float,
     retention: str,
+    handshake_timeout: float = 30.0,
     walk_in: tuple[str | None, str, int | None, str | None] | None = None,
     backoff: tuple[float, float] | None = None,
     tunnel: SshTunnel | None = None,
@@ -342,6 +352,7 @@ def serve(
         grace=grace,
         retention=keep_for,
         path_timeout=path_timeout,
+        handshake_timeout=handshake_timeout,
         device=device_name,
     )
     if backoff is not None:

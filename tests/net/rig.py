@@ -468,13 +468,13 @@ table ip muster_rig_nat {
             raise AssertionError(f"on {host.name}: python {shlex.join(args)}: {done.stderr}")
         return done.stdout
 
-    def start_cluster(self, hosts: Sequence[Host]) -> Host:
-        """The controller on the rig's ``ctl`` host and an agent on each of ``hosts``, all
-        connected and idle; returns the controller's host."""
+    def start_cluster(self, hosts: Sequence[Host], *agent_args: str) -> Host:
+        """The controller on the rig's ``ctl`` host and an agent (with ``agent_args``) on each
+        of ``hosts``, all connected and idle; returns the controller's host."""
         ctl = self.hosts["ctl"]
         self.start_controller(ctl)
         for host in hosts:
-            self.start_agent(host)
+            self.start_agent(host, *agent_args)
         self.wait_for_workers([h.name for h in hosts])
         return ctl
 

@@ -63,7 +63,7 @@ def test_a_gloo_job_runs_over_the_direct_path_between_two_regions(rig: Rig, tmp_
     (job_dir / "train.py").write_text(ENV_PROBE)
     (job_dir / "job.yaml").write_text(
         "name: direct\nentrypoint: train.py\ntimeout: 5m\n"
-        "distributed: {num_workers: 2, procs_per_worker: 2, backend: gloo}\n"
+        "distributed: {num_workers: 2, procs_per_worker: 2, backend: gloo, probe_seconds: 1}\n"
     )
     job_id = rig.muster(ctl, "submit", str(job_dir / "job.yaml")).strip()
     job = rig.wait_done(job_id)
@@ -155,7 +155,7 @@ def test_a_three_node_job_runs_direct_across_two_nats(rig: Rig, tmp_path: Path) 
     (job_dir / "train.py").write_text(ENV_PROBE)
     (job_dir / "job.yaml").write_text(
         "name: nat\nentrypoint: train.py\ntimeout: 5m\n"
-        "distributed: {num_workers: 3, procs_per_worker: 1, backend: gloo}\n"
+        "distributed: {num_workers: 3, procs_per_worker: 1, backend: gloo, probe_seconds: 1}\n"
     )
     job_id = rig.muster(ctl, "submit", str(job_dir / "job.yaml")).strip()
     job = rig.wait_done(job_id)
@@ -191,7 +191,7 @@ def test_a_pair_with_no_direct_path_is_fenced_and_kept_apart(rig: Rig, tmp_path:
         "  chain forward { type filter hook forward priority -10; meta l4proto udp drop; }\n"
         "}\n",
     )
-    ctl = rig.start_cluster((h1, h2))
+    ctl = rig.start_cluster((h1, h2), "--handshake-timeout", "8")
 
     job_dir = tmp_path / "blocked"
     job_dir.mkdir()
@@ -211,7 +211,9 @@ def test_a_pair_with_no_direct_path_is_fenced_and_kept_apart(rig: Rig, tmp_path:
     fenced = [e for e in job["events"] if e["kind"] == "EpochFenced"]
     assert fenced, job["events"]
     assert fenced[0]["data"]["apart"] == [["h1", "h2"]]
-    assert "could not set up the direct path: no WireGuard handshake" in fenced[0]["message"]
+    assert (
+        "could not set up the direct path: no WireGuard handshake within 8s" in fenced[0]["message"]
+    )
     assert "100.64.0." in fenced[0]["message"]
     assert "h1 and h2 not on the direct path" in job["why_pending"]
     assert not [ln for ln in rig.api("logs", job_id)["lines"] if ln["origin"] == "rank"]
@@ -257,7 +259,7 @@ def test_a_running_pair_that_loses_its_path_marks_the_job_degraded_until_it_is_b
     )
     (job_dir / "job.yaml").write_text(
         "name: loop\nentrypoint: train.py\ntimeout: 5m\n"
-        "distributed: {num_workers: 2, procs_per_worker: 1, backend: gloo}\n"
+        "distributed: {num_workers: 2, procs_per_worker: 1, backend: gloo, probe_seconds: 1}\n"
     )
     job_id = rig.muster(ctl, "submit", str(job_dir / "job.yaml")).strip()
 
@@ -324,12 +326,15 @@ def test_a_member_left_behind_on_a_fenced_epoch_cannot_reach_the_next_one(
 
     job_dir = tmp_path / "fenced"
     job_dir.mkdir()
+    go = tmp_path / "go"  # the hosts share this file system: the ranks wait for the checks
     (job_dir / "train.py").write_text(
-        "import time, torch.distributed as dist\n"
+        "import os, time, torch.distributed as dist\n"
         "dist.init_process_group('gloo')\n"
-        "time.sleep(45)\n"
+        "deadline = time.monotonic() + 60\n"
+        f"while not os.path.exists({str(go)!r}) and time.monotonic() < deadline:\n"
+        "    time.sleep(0.2)\n"
         "dist.barrier()\n"
-        "__import__('os')._exit(0)\n"
+        "os._exit(0)\n"
     )
     (job_dir / "job.yaml").write_text(
         "name: fenced\nentrypoint: train.py\ntimeout: 5m\n"
@@ -405,6 +410,7 @@ def test_a_member_left_behind_on_a_fenced_epoch_cannot_reach_the_next_one(
         transfer = rig.run(h1, "wg", "show", "muster0", "transfer").stdout
         assert h2_key not in transfer  # ...and none was taken in
     finally:
+        go.touch()
         os.kill(agents["h2"].pid, signal.SIGCONT)
     job = rig.wait_done(job_id, timeout=180)
     assert job["state"] == "succeeded", (job["root_cause"], job["events"])

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from muster.net import firewall
 from tests.net.conftest import needs
@@ -103,14 +105,25 @@ def test_container_only_host_has_no_tun_and_no_net_admin(rig: Rig) -> None:
     assert rig.reaches(h2, h1.address)
 
 
-def test_real_agents_on_rig_hosts_run_a_two_node_job(rig: Rig) -> None:
+def ddp_example(tmp_path: Path) -> Path:
+    """examples/ddp with a 1 s probe sample (the default, up to 10 s, measures; these tests
+    only need the probe to prove the path)."""
+    job_dir = tmp_path / "ddp"
+    shutil.copytree(ROOT / "examples/ddp", job_dir)
+    job = yaml.safe_load((job_dir / "job.yaml").read_text())
+    job["distributed"]["probe_seconds"] = 1
+    (job_dir / "job.yaml").write_text(yaml.safe_dump(job))
+    return job_dir / "job.yaml"
+
+
+def test_real_agents_on_rig_hosts_run_a_two_node_job(rig: Rig, tmp_path: Path) -> None:
     h1, h2 = rig.one_region(2)
     ctl = rig.start_cluster((h1, h2))
     workers = {w["id"]: w for w in rig.api("workers")}
     assert workers["h1"]["advertise_address"] == h1.address
     assert workers["h2"]["advertise_address"] == h2.address
 
-    job_id = rig.muster(ctl, "submit", str(ROOT / "examples/ddp/job.yaml")).strip()
+    job_id = rig.muster(ctl, "submit", str(ddp_example(tmp_path))).strip()
     job = rig.wait_done(job_id, timeout=180)
     assert job["state"] == "succeeded", job["root_cause"]
     members = {m["node_rank"]: m for m in job["members"]}
@@ -136,7 +149,9 @@ def test_real_agents_on_rig_hosts_run_a_two_node_job(rig: Rig) -> None:
         assert "all_reduce sum=10 expected=10 ok" in mine, f"rank {rank}: {mine[:5]}"
 
 
-def test_a_private_path_the_probe_cannot_cross_is_placed_again_as_direct(rig: Rig) -> None:
+def test_a_private_path_the_probe_cannot_cross_is_placed_again_as_direct(
+    rig: Rig, tmp_path: Path
+) -> None:
     """h2 drops every TCP connection from h1 on the private network: the probe finds it
     before any rank starts, the epoch is fenced, and the gang is placed again on the direct
     path (WireGuard over UDP, which h2 lets through) where it runs to the end."""
@@ -150,7 +165,7 @@ def test_a_private_path_the_probe_cannot_cross_is_placed_again_as_direct(rig: Ri
         "}\n",
     )
     ctl = rig.start_cluster((h1, h2))
-    job_id = rig.muster(ctl, "submit", str(ROOT / "examples/ddp/job.yaml")).strip()
+    job_id = rig.muster(ctl, "submit", str(ddp_example(tmp_path))).strip()
     job = rig.wait_done(job_id, timeout=240)
     assert job["state"] == "succeeded", job["root_cause"]
     fenced = [e for e in job["events"] if e["kind"] == "EpochFenced"]
@@ -224,7 +239,7 @@ def test_the_rendezvous_port_takes_members_only_and_no_rule_outlives_the_job(
     (job_dir / "train.py").write_text(HOLD)
     (job_dir / "job.yaml").write_text(
         f"name: hold\nentrypoint: train.py\nenv: {{RELEASE: '{tmp_path / 'release'}'}}\n"
-        "distributed: {num_workers: 2, procs_per_worker: 1, backend: gloo}\n"
+        "distributed: {num_workers: 2, procs_per_worker: 1, backend: gloo, probe_seconds: 1}\n"
     )
     job_id = rig.muster(ctl, "submit", str(job_dir / "job.yaml")).strip()
     deadline = time.monotonic() + 120
