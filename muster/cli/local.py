@@ -18,7 +18,10 @@ from types import TracebackType
 import httpx
 
 from muster.client import Client
+from muster.controller.auth import credentials
+from muster.controller.tls import controller_certificate, join_string
 from muster.errors import InfrastructureError
+from muster.store import open_store
 
 
 def _raise_exit(signum: int, _frame: object) -> None:
@@ -144,18 +147,18 @@ class LocalCluster:
         raise InfrastructureError(f"the controller did not start; see {self.log('server')}")
 
     def _muster_token(self, *flags: str) -> str:
+        """What `muster token [flags]` prints, read here from the controller's database (the
+        same code, without a second interpreter's start: ~1.4 s each)."""
         key = " ".join(flags)
         if key not in self._tokens:
-            done = subprocess.run(
-                [sys.executable, "-m", "muster", "token", *flags]
-                + (["--db", self.db] if self.db else []),
-                env=self._env(),
-                capture_output=True,
-                text=True,
-                timeout=60,
-                check=True,
-            )
-            self._tokens[key] = done.stdout.strip()
+            assert self.data_dir is not None
+            store = open_store(self.db or str(self.data_dir / "muster.db"))
+            try:
+                creds = credentials(store)
+                secret = creds.api_token if "--api" in flags else creds.join_secret
+                self._tokens[key] = join_string(secret, controller_certificate(store)[0])
+            finally:
+                store.db.dispose()
         return self._tokens[key]
 
     def token(self) -> str:
