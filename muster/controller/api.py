@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import AsyncIterator, Callable
+from pathlib import PurePosixPath
 from typing import Any, Literal
 
 import orjson
@@ -112,13 +113,16 @@ async def describe(job_id: str, request: Request) -> dict[str, Any]:
     return await job_detail(store(request), controller(request), job_id)
 
 
-async def job_detail(st: Store, ctl: Controller, job_id: str) -> dict[str, Any]:
-    """A job as ``muster describe`` and the dashboard show it."""
+async def job_detail(
+    st: Store, ctl: Controller, job_id: str, events_last: int | None = None
+) -> dict[str, Any]:
+    """A job as ``muster describe`` and the dashboard show it (the dashboard: only the newest
+    ``events_last`` events, and ``events_total``)."""
     job = await ctl.db(st.job, job_id)
     spec = st.job_spec(job)
     plan = rank_plan(spec)
     members = await ctl.db(st.members, job_id)
-    events = await ctl.db(st.events, job_id)
+    events = await ctl.db(st.events, job_id, events_last)
     conditions = await ctl.db(st.conditions, job_id)
     return {
         **job_summary(job),
@@ -148,6 +152,7 @@ async def job_detail(st: Store, ctl: Controller, job_id: str) -> dict[str, Any]:
             {"type": c.type, "status": c.status, "reason": c.reason, "message": c.message}
             for c in conditions
         ],
+        **({"events_total": await ctl.db(st.event_count, job_id)} if events_last else {}),
     }
 
 
@@ -180,7 +185,7 @@ async def logs(
     request: Request,
     rank: int | None = Query(None, ge=0, lt=INT32),
     ranks: str = Query("", max_length=1000, description="global ranks, e.g. 0-3,7"),
-    node: int | None = None,
+    node: int | None = Query(None, ge=0, lt=INT32),
     origin: Literal["rank", "node"] | None = None,
     after: str = "",
     before: str = "",
@@ -191,25 +196,25 @@ async def logs(
 
     Reading backwards: ``tail=true`` gives the newest ``limit`` lines, and ``before`` (a
     previous answer's ``prev``) the page before a line; both still in ingest order. Filters:
-    ``rank`` or ``ranks`` (e.g. ``0-3,7``) for ranks' own lines, ``node`` for a node's ranks,
-    or with ``origin=node`` that node's launcher (torchrun) lines.
+    ``rank`` or ``ranks`` (e.g. ``0-3,7``) for those ranks' own lines; ``node`` for a node's
+    lines (its ranks' and its torchrun's); ``origin=rank`` or ``origin=node`` for only the
+    ranks' or only torchrun's lines.
     """
     st, ctl = store(request), controller(request)
     job = await ctl.db(st.job, job_id)
-    chosen = _chosen_ranks(lambda: st.job_spec(job), rank, ranks, node, origin)
+    runs, only, launcher = _log_filter(lambda: st.job_spec(job), rank, ranks, node, origin)
+    kept = {"runs": runs, "origin": only, "launcher": launcher}
     limit = min(limit, 50_000)
     if before or tail:
         if after:
             raise UserError("after: read forwards with after, or backwards with before/tail")
         edge = _decode_cursor(before, "before") if before else None
-        lines = await ctl.db(st.logs_before, job_id, edge, ranks=chosen, origin=origin, limit=limit)
+        lines = await ctl.db(st.logs_before, job_id, edge, limit=limit, **kept)
         # After a tail, follow from its last line (from the start when it was empty).
         next_cursor = lines[-1].ingest_id if lines else 0
     else:
         cursor = _decode_cursor(after)
-        lines = await ctl.db(
-            st.logs_after, job_id, cursor, ranks=chosen, origin=origin, limit=limit
-        )
+        lines = await ctl.db(st.logs_after, job_id, cursor, limit=limit, **kept)
         next_cursor = lines[-1].ingest_id if lines else cursor
     return {
         "job": job_id,
@@ -233,36 +238,42 @@ async def logs(
     }
 
 
-MAX_RANK_SET = 1 << 20  # what ``ranks`` may expand to
+MAX_RANK_RUNS = 256  # ranges in one ``ranks`` filter
 
 
-def _chosen_ranks(
+def _log_filter(
     spec: Callable[[], Any], rank: int | None, ranks: str, node: int | None, origin: str | None
-) -> list[int] | None:
-    """The rank (or, with origin=node, node) numbers a logs query keeps; None: all."""
+) -> tuple[list[tuple[int, int]] | None, str | None, int | None]:
+    """(runs of rank or node numbers, origin, launcher node) for the store; see ``logs``."""
     if rank is not None and ranks:
         raise UserError("rank and ranks: give one of them")
-    chosen: list[int] | None = None
+    runs: list[tuple[int, int]] | None = None
     if ranks:
-        chosen = parse_ranks(ranks)
+        runs = parse_ranks(ranks)
     elif rank is not None:
-        chosen = [rank]
-    if origin == "node":
-        if chosen is not None:
-            raise UserError("origin=node reads a node's launcher lines: filter with node, not rank")
-        return None if node is None else [node]
+        runs = [(rank, rank)]
     if node is not None:
         plan = rank_plan(spec())
         if not 0 <= node < plan.num_nodes:
-            raise UserError(f"--node {node}: the job has nodes 0..{plan.num_nodes - 1}")
-        in_node = plan.nodes[node].ranks
-        chosen = list(in_node) if chosen is None else [r for r in chosen if r in in_node]
-    return chosen
+            raise UserError(f"node {node}: the job has nodes 0..{plan.num_nodes - 1}")
+    if origin == "node":
+        if runs is not None:
+            raise UserError("origin=node reads a node's launcher lines: filter with node, not rank")
+        return (None if node is None else [(node, node)]), "node", None
+    if node is None:
+        return runs, ("rank" if runs is not None else origin), None
+    in_node = plan.nodes[node].ranks
+    lo, hi = in_node.start, in_node.stop - 1
+    clipped = [(max(a, lo), min(b, hi)) for a, b in (runs or [(lo, hi)]) if a <= hi and b >= lo]
+    # A node alone: its ranks' lines and its torchrun's; with ranks or origin=rank, ranks only.
+    launcher = node if runs is None and origin is None else None
+    return clipped, "rank", launcher
 
 
-def parse_ranks(text: str) -> list[int]:
-    """``0-3,7`` -> [0, 1, 2, 3, 7]; a 400 naming the bad part otherwise."""
-    found: set[int] = set()
+def parse_ranks(text: str) -> list[tuple[int, int]]:
+    """``0-3,7`` -> [(0, 3), (7, 7)] (merged, in order); a 400 naming the bad part otherwise.
+    Never expanded: a range of a million ranks is one pair."""
+    runs: list[tuple[int, int]] = []
     for part in (p.strip() for p in text.split(",")):
         lo_text, dash, hi_text = part.partition("-")
         try:
@@ -272,10 +283,16 @@ def parse_ranks(text: str) -> list[int]:
             raise UserError(f"ranks: {part!r} is not a rank or a range; write e.g. 0-3,7") from None
         if not 0 <= lo <= hi < INT32:
             raise UserError(f"ranks: {part!r} is not a range of ranks from low to high")
-        if len(found) + hi - lo + 1 > MAX_RANK_SET:
-            raise UserError(f"ranks: more than {MAX_RANK_SET} ranks; give fewer")
-        found.update(range(lo, hi + 1))
-    return sorted(found)
+        runs.append((lo, hi))
+        if len(runs) > MAX_RANK_RUNS:
+            raise UserError(f"ranks: more than {MAX_RANK_RUNS} ranges; give fewer")
+    merged: list[tuple[int, int]] = []
+    for lo, hi in sorted(runs):
+        if merged and lo <= merged[-1][1] + 1:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+        else:
+            merged.append((lo, hi))
+    return merged
 
 
 def _decode_cursor(text: str, name: str = "after") -> int:
@@ -372,11 +389,25 @@ async def artifact_list(st: Store, ctl: Controller, job_id: str) -> list[dict[st
     ]
 
 
+# An artifact is whatever a job wrote: never shown as a page of this origin (where a script
+# in it would run with the dashboard's session), always a download.
+ARTIFACT_HEADERS = {
+    "X-Content-Type-Options": "nosniff",
+    "Content-Security-Policy": "sandbox; default-src 'none'",
+}
+
+
 @users.get("/jobs/{job_id}/artifacts/{node_rank}/{rel:path}")
 async def download_artifact(
     job_id: str, node_rank: int, rel: str, request: Request
 ) -> FileResponse:
-    return FileResponse(files(request).open_artifact(job_id, node_rank, rel))
+    return FileResponse(
+        files(request).open_artifact(job_id, node_rank, rel),
+        media_type="application/octet-stream",
+        filename=PurePosixPath(rel).name,
+        content_disposition_type="attachment",
+        headers=ARTIFACT_HEADERS,
+    )
 
 
 # ---- workers -----------------------------------------------------------------------------

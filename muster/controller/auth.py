@@ -18,8 +18,9 @@ whenever TLS is on or the bind is off loopback they want the API token. The dash
 login (muster.controller.dashboard) checks the API token once and sets a session cookie,
 signed with it, that stands for the token on user routes for 12 hours: alone on GET, and
 with the header ``X-Muster-UI: 1`` on anything that changes state (a page on another site
-can make a browser send the cookie, never that header). Changing the API token ends every
-session. The agent routes
+can make a browser send the cookie, never that header). Its name carries a digest of the API
+token, so two controllers on one host (cookies ignore ports) keep their own sessions.
+Changing the API token ends every session. The agent routes
 always want a live ticket. No credential, or one the controller does not know: 401. A known
 credential without the right to the call (a ticket on a user route, the API token on an
 agent route, the join secret anywhere): 403. Every comparison is constant-time.
@@ -39,7 +40,7 @@ from muster.errors import Forbidden, Unauthorized
 from muster.store import Store
 
 API_HINT = "send Authorization: Bearer <API token> (`muster token --api` on the controller)"
-SESSION_COOKIE = "muster_session"
+SESSION_COOKIE = "muster_session"  # + a digest of the API token: one cookie per controller
 SESSION_TTL_S = 12 * 3600
 UI_HEADER = "x-muster-ui"
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
@@ -107,9 +108,17 @@ class Guard:
         key = self.creds.api_token.encode()
         return hmac.new(key, f"muster-ui-session:{expires}".encode(), "sha256").hexdigest()
 
+    @property
+    def cookie_name(self) -> str:
+        digest = hashlib.sha256(f"muster-ui-cookie:{self.creds.api_token}".encode()).hexdigest()
+        return f"{SESSION_COOKIE}_{digest[:12]}"
+
     def has_session(self, request: Request) -> bool:
-        expires, _, signature = request.cookies.get(SESSION_COOKIE, "").partition(".")
-        if not expires.isdigit() or int(expires) < time.time():
+        value = request.cookies.get(self.cookie_name, "")
+        expires, _, signature = value.partition(".")
+        if not (expires.isascii() and expires.isdigit() and len(expires) <= 12):
+            return False
+        if int(expires) < time.time():
             return False
         return same_secret(signature, self._sign(int(expires)))
 

@@ -14,6 +14,7 @@ which reads ``GET /v1/jobs/{id}/logs`` a page at a time.
 
 from __future__ import annotations
 
+import asyncio
 import urllib.parse
 from datetime import UTC, datetime
 from typing import Any
@@ -23,25 +24,38 @@ from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 
 from muster.controller.api import artifact_list, controller, job_detail, store, worker_list
-from muster.controller.auth import SESSION_COOKIE, SESSION_TTL_S, Guard, guard, same_secret
-from muster.errors import NotFound, Unauthorized
+from muster.controller.auth import SESSION_TTL_S, Guard, guard, same_secret
+from muster.errors import NotFound, TooLarge, Unauthorized
 from muster.spec import JobState
 from muster.web import STATIC, TEMPLATES
 
 router = APIRouter(include_in_schema=False)
 env = Environment(loader=FileSystemLoader(TEMPLATES), autoescape=select_autoescape(["html"]))
 LIST_CAP = 500  # jobs on the list page: the newest first
+LOGIN_MAX_BYTES = 4096
+EVENTS_SHOWN = 500  # a job's newest events on its page (all: muster describe)
+PAIRS_SHOWN = 20  # a probe's slowest pairs on the page (all: muster describe)
 STATIC_TYPES = {".css": "text/css", ".js": "text/javascript"}
 TERMINAL = {s.value for s in JobState if s.is_terminal}
 
 
-def _render(request: Request, name: str, status: int = 200, **context: Any) -> HTMLResponse:
-    context.setdefault("signed_in", guard(request).has_session(request))
-    html = env.get_template(name).render(age=age, size=size, **context)
+async def _render(request: Request, name: str, status: int = 200, **context: Any) -> HTMLResponse:
+    """A template, rendered in a worker thread (a big job's page is not the event loop's)."""
+    if "signed_in" not in context:
+        context["signed_in"] = guard(request).has_session(request)
+    template = env.get_template(name)
+    html = await asyncio.to_thread(template.render, age=age, size=size, **context)
     return HTMLResponse(html, status_code=status, headers=_NO_STORE)
 
 
-_NO_STORE = {"Cache-Control": "no-store", "X-Frame-Options": "DENY"}
+_NO_STORE = {
+    "Cache-Control": "no-store",
+    "X-Frame-Options": "DENY",
+    "X-Content-Type-Options": "nosniff",
+    # Only this controller's own script and styles (the login page's are inline).
+    "Content-Security-Policy": "default-src 'self'; style-src 'self' 'unsafe-inline'; "
+    "img-src 'self' data:; frame-ancestors 'none'; form-action 'self'",
+}
 
 
 def _readable(request: Request) -> Guard:
@@ -103,13 +117,13 @@ def home() -> RedirectResponse:
 
 
 @router.get("/ui/login")
-def login_page(request: Request, next: str = "/ui/jobs") -> HTMLResponse:
-    return _render(request, "login.html", next=_safe_next(next), error="", signed_in=False)
+async def login_page(request: Request, next: str = "/ui/jobs") -> HTMLResponse:
+    return await _render(request, "login.html", next=_safe_next(next), error="", signed_in=False)
 
 
 @router.post("/ui/login")
 async def login(request: Request) -> Response:
-    form = urllib.parse.parse_qs((await request.body())[:4096].decode(errors="replace"))
+    form = urllib.parse.parse_qs((await _small_body(request)).decode(errors="replace"))
     # What `muster token --api` prints: the token, then ".sha256:<certificate pin>" over TLS.
     token = (form.get("token") or [""])[0].strip().partition(".")[0]
     target = _safe_next((form.get("next") or ["/ui/jobs"])[0])
@@ -120,24 +134,40 @@ async def login(request: Request) -> Response:
             if token
             else "Enter the API token (`muster token --api` on the controller)"
         )
-        return _render(request, "login.html", 401, next=target, error=error, signed_in=False)
+        return await _render(request, "login.html", 401, next=target, error=error, signed_in=False)
     response = RedirectResponse(target, status_code=303)
     response.set_cookie(
-        SESSION_COOKIE,
+        g.cookie_name,
         g.session(),
         max_age=SESSION_TTL_S,
         httponly=True,
-        samesite="strict",
+        # Lax: a link from elsewhere opens the page signed in; every change of state also
+        # wants the X-Muster-UI header, which no other site can send.
+        samesite="lax",
         secure=request.url.scheme == "https",
         path="/",
     )
     return response
 
 
+async def _small_body(request: Request) -> bytes:
+    """The sign-in form, refused past LOGIN_MAX_BYTES before more is read (anyone may post
+    it)."""
+    declared = request.headers.get("content-length", "0")
+    if not declared.isdigit() or int(declared) > LOGIN_MAX_BYTES:
+        raise TooLarge(f"a sign-in form is at most {LOGIN_MAX_BYTES} bytes")
+    body = b""
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > LOGIN_MAX_BYTES:
+            raise TooLarge(f"a sign-in form is at most {LOGIN_MAX_BYTES} bytes")
+    return body
+
+
 @router.post("/ui/logout")
-def logout() -> RedirectResponse:
+def logout(request: Request) -> RedirectResponse:
     response = RedirectResponse("/ui/login", status_code=303)
-    response.delete_cookie(SESSION_COOKIE, path="/")
+    response.delete_cookie(guard(request).cookie_name, path="/")
     return response
 
 
@@ -149,13 +179,12 @@ async def _job_rows(request: Request, state: str, label: str) -> list[dict[str, 
     jobs = [j for j in await ctl.db(st.job_summaries) if not state or j.state == state]
     jobs = jobs[::-1]  # newest first
     if label:
-        key, _, value = label.partition("=")
-        specs = await ctl.db(st.specs, [j.id for j in jobs])
+        key, _, value = (part.strip() for part in label.partition("="))
+        labels = await _labels(request, [j.id for j in jobs])
         jobs = [
             j
             for j in jobs
-            if key.strip() in (labels := specs.get(j.id, {}).get("labels") or {})
-            and (not value or labels[key.strip()] == value.strip())
+            if key in labels.get(j.id, {}) and (not value or labels[j.id][key] == value)
         ]
     rows = []
     for j in jobs[:LIST_CAP]:
@@ -173,6 +202,22 @@ async def _job_rows(request: Request, state: str, label: str) -> list[dict[str, 
     return rows
 
 
+LABELS_CAP = 100_000  # jobs whose labels the app keeps in memory
+
+
+async def _labels(request: Request, job_ids: list[str]) -> dict[str, dict[str, str]]:
+    """The jobs' labels, read once per job (a spec never changes) and kept on the app."""
+    cache: dict[str, dict[str, str]] = request.app.state.__dict__.setdefault("labels", {})
+    missing = [j for j in job_ids if j not in cache]
+    if missing:
+        if len(cache) + len(missing) > LABELS_CAP:
+            cache.clear()
+        st, ctl = store(request), controller(request)
+        for job_id, spec in (await ctl.db(st.specs, missing)).items():
+            cache[job_id] = dict(spec.get("labels") or {})
+    return {j: cache.get(j, {}) for j in job_ids}
+
+
 def _empty_text(state: str, label: str) -> str:
     if state or label:
         return "no job matches these filters"
@@ -183,7 +228,7 @@ def _empty_text(state: str, label: str) -> str:
 async def jobs_page(request: Request, state: str = "", label: str = "") -> Response:
     if (redirect := _login_redirect(request)) is not None:
         return redirect
-    return _render(
+    return await _render(
         request,
         "jobs.html",
         nav="jobs",
@@ -200,21 +245,29 @@ async def jobs_page(request: Request, state: str = "", label: str = "") -> Respo
 async def jobs_rows(request: Request, state: str = "", label: str = "") -> HTMLResponse:
     _readable(request)
     rows = await _job_rows(request, state, label)
-    return _render(request, "_job_rows.html", jobs=rows, empty=_empty_text(state, label))
+    return await _render(request, "_job_rows.html", jobs=rows, empty=_empty_text(state, label))
+
+
+WINDOW_FIELDS = ("start", "quorum", "target", "next_deadline_in", "reason", "startable")
 
 
 async def _job_context(request: Request, job_id: str) -> dict[str, Any]:
     st, ctl = store(request), controller(request)
-    job = await job_detail(st, ctl, job_id)
+    job = await job_detail(st, ctl, job_id, events_last=EVENTS_SHOWN)
     window = None
     if ((job["spec"].get("distributed") or {}).get("membership")) == "window":
-        window = await ctl.window_view(job_id)
+        # Before its first pass, after a restart or once formed, a window's view is short.
+        window = {key: None for key in WINDOW_FIELDS} | await ctl.window_view(job_id)
     workers = {w["id"]: w["hostname"] for w in await worker_list(st, ctl)}
-    probes = [
-        {"epoch": e["data"].get("epoch"), "pairs": e["data"].get("pairs", [])}
-        for e in job["events"]
-        if e["kind"] == "Probe" and isinstance(e.get("data"), dict)
-    ]
+    probes = []
+    for e in job["events"]:
+        if e["kind"] != "Probe" or not isinstance(e.get("data"), dict):
+            continue
+        pairs = [p for p in e["data"].get("pairs") or [] if isinstance(p, dict)]
+        pairs.sort(key=lambda p: (p.get("tcpGbps") is not None, p.get("tcpGbps") or 0))
+        probes.append(
+            {"epoch": e["data"].get("epoch"), "pairs": pairs[:PAIRS_SHOWN], "total": len(pairs)}
+        )
     return {
         "job": job,
         "terminal": job["state"] in TERMINAL,
@@ -232,14 +285,14 @@ async def job_page(job_id: str, request: Request) -> Response:
     try:
         context = await _job_context(request, job_id)
     except NotFound as exc:
-        return _render(request, "missing.html", 404, nav="jobs", message=str(exc))
-    return _render(request, "job.html", nav="jobs", **context)
+        return await _render(request, "missing.html", 404, nav="jobs", message=str(exc))
+    return await _render(request, "job.html", nav="jobs", **context)
 
 
 @router.get("/ui/jobs/{job_id}/detail")
 async def job_fragment(job_id: str, request: Request) -> HTMLResponse:
     _readable(request)
-    return _render(request, "_job_detail.html", **await _job_context(request, job_id))
+    return await _render(request, "_job_detail.html", **await _job_context(request, job_id))
 
 
 # ---- workers -------------------------------------------------------------------------------
@@ -265,13 +318,15 @@ async def _worker_rows(request: Request) -> list[dict[str, Any]]:
 async def workers_page(request: Request) -> Response:
     if (redirect := _login_redirect(request)) is not None:
         return redirect
-    return _render(request, "workers.html", nav="workers", workers=await _worker_rows(request))
+    return await _render(
+        request, "workers.html", nav="workers", workers=await _worker_rows(request)
+    )
 
 
 @router.get("/ui/workers/rows")
 async def workers_rows(request: Request) -> HTMLResponse:
     _readable(request)
-    return _render(request, "_worker_rows.html", workers=await _worker_rows(request))
+    return await _render(request, "_worker_rows.html", workers=await _worker_rows(request))
 
 
 # ---- static --------------------------------------------------------------------------------

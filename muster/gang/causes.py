@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from muster.gang.catalogue import classify
 from muster.gang.events import MemberExited
 
 
@@ -13,6 +14,9 @@ def root_cause(node: int, worker: str, exited: MemberExited) -> str:
     how = f"was killed by {exited.signal}" if exited.signal else f"exited with code {code}"
     cause = f"node{node} (worker {worker}): {who} {how}"
     tail = [str(line) for line in exited.tail][-20:]
+    named = classify(tail, exited.signal)
+    if named is not None:  # a failure the catalogue knows: its name and the fix
+        cause += "\n" + named.text()
     if tail:
         label = f"rank {rank}" if rank is not None else f"node{node}"
         cause += f"\nlast lines of {label}:\n" + "\n".join(f"  {line}" for line in tail)

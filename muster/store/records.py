@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Select, false, or_, select
+from sqlalchemy import Select, and_, false, func, or_, select
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError, IntegrityError
 
@@ -93,12 +93,22 @@ class RecordRepository(Repository):
         with self.db.transaction() as s:
             add_event(s, kind, message, job=job, worker=worker, data=data)
 
-    def events(self, job_id: str | None = None) -> list[Event]:
+    def events(self, job_id: str | None = None, last: int | None = None) -> list[Event]:
+        """Events in order (of ``job_id``); with ``last``, only the newest that many."""
         with self.db.read() as s:
-            query = select(Event).order_by(Event.id)
+            query = select(Event)
             if job_id is not None:
                 query = query.where(Event.job_id == job_id)
-            return list(s.scalars(query))
+            if last is None:
+                return list(s.scalars(query.order_by(Event.id)))
+            return list(s.scalars(query.order_by(Event.id.desc()).limit(last)))[::-1]
+
+    def event_count(self, job_id: str) -> int:
+        with self.db.read() as s:
+            counted = s.scalar(
+                select(func.count()).select_from(Event).where(Event.job_id == job_id)
+            )
+            return int(counted or 0)
 
     def window_opened_at(self, job_id: str) -> float | None:
         """When the join window of ``job_id`` opened (epoch seconds), as its WindowOpened
@@ -296,19 +306,22 @@ class RecordRepository(Repository):
         ranks: Sequence[int] | None = None,
         origin: str | None = None,
         limit: int = 10_000,
+        runs: Sequence[tuple[int, int]] | None = None,
+        launcher: int | None = None,
     ) -> list[LogLine]:
         """Lines stored after the line whose ``ingest_id`` is ``after`` (0: from the start).
 
         In ingest order, at most ``limit``. The next call's ``after`` is the last line's
         ``ingest_id`` (or the same ``after`` when none came): no line is missed or repeated,
-        whatever the number of ranks. With ``ranks``, only those global ranks' own lines
-        (no launcher lines); with ``origin="node"``, only launcher lines (of the nodes in
-        ``ranks``, when given).
+        whatever the number of ranks. Filters (see ``_log_filter``): ``ranks`` (or ``runs``
+        of them, inclusive ranges) keep those global ranks' own lines; ``origin="node"``
+        only launcher lines (of the nodes in ``ranks``/``runs``, when given); ``launcher``
+        adds that node's launcher lines to the ranks'.
         """
         _check_cursor("logs_after", after)
         with self.db.read() as s:
             query = select(LogLine).where(LogLine.job_id == job_id, LogLine.ingest_id > after)
-            query = _log_filter(query, ranks, origin)
+            query = _log_filter(query, _runs(ranks, runs), origin, launcher)
             return list(s.scalars(query.order_by(LogLine.ingest_id).limit(limit)))
 
     def logs_before(
@@ -319,6 +332,8 @@ class RecordRepository(Repository):
         ranks: Sequence[int] | None = None,
         origin: str | None = None,
         limit: int = 10_000,
+        runs: Sequence[tuple[int, int]] | None = None,
+        launcher: int | None = None,
     ) -> list[LogLine]:
         """The last ``limit`` lines stored before the line whose ``ingest_id`` is ``before``
         (None: the job's newest lines), in ingest order: a page further back, for a reader
@@ -329,7 +344,7 @@ class RecordRepository(Repository):
             query = select(LogLine).where(LogLine.job_id == job_id)
             if before is not None:
                 query = query.where(LogLine.ingest_id < before)
-            query = _log_filter(query, ranks, origin)
+            query = _log_filter(query, _runs(ranks, runs), origin, launcher)
             newest_first = s.scalars(query.order_by(LogLine.ingest_id.desc()).limit(limit))
             return list(newest_first)[::-1]
 
@@ -601,17 +616,32 @@ def rank_runs(ranks: Sequence[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def _log_filter(query: Select[Any], ranks: Sequence[int] | None, origin: str | None) -> Select[Any]:
-    """Only ``origin``'s lines (``ranks`` given and no origin: the ranks' own lines), of the
-    ranks (or nodes) in ``ranks``. The ranks go to the database as runs of consecutive
-    numbers, so a thousand ranks are one BETWEEN, not a thousand bound values."""
-    if origin is not None:
-        query = query.where(LogLine.origin == origin)
-    elif ranks is not None:
-        query = query.where(LogLine.origin == "rank")
+def _runs(
+    ranks: Sequence[int] | None, runs: Sequence[tuple[int, int]] | None
+) -> list[tuple[int, int]] | None:
     if ranks is not None:
-        runs = rank_runs(ranks)
-        if not runs:
-            return query.where(false())
-        query = query.where(or_(*(LogLine.rank.between(lo, hi) for lo, hi in runs)))
-    return query
+        return rank_runs(ranks) + list(runs or [])
+    return None if runs is None else list(runs)
+
+
+def _log_filter(
+    query: Select[Any],
+    runs: list[tuple[int, int]] | None,
+    origin: str | None,
+    launcher: int | None = None,
+) -> Select[Any]:
+    """Only ``origin``'s lines (runs given and no origin: the ranks' own), of the ranks (or,
+    for origin "node", nodes) in ``runs``, plus node ``launcher``'s launcher lines. Ranks go
+    to the database as inclusive runs, so a thousand ranks are one BETWEEN, not a thousand
+    bound values."""
+    kept: Any = None
+    if runs is not None:
+        kept = or_(*(LogLine.rank.between(lo, hi) for lo, hi in runs)) if runs else false()
+    if origin is None and runs is not None:
+        origin = "rank"
+    if origin is not None:
+        kept = LogLine.origin == origin if kept is None else and_(LogLine.origin == origin, kept)
+    if launcher is not None:
+        own = and_(LogLine.origin == "node", LogLine.rank == launcher)
+        kept = own if kept is None else or_(kept, own)
+    return query if kept is None else query.where(kept)

@@ -28,3 +28,11 @@ def test_every_error_class_is_in_the_table_with_its_status_and_exit_code() -> No
         assert exit_code == str(c.exit_code), c.__name__
         if c is not errors.JobFailed:
             assert http == str(c.http_status), c.__name__
+
+
+def test_every_named_failure_is_documented() -> None:
+    from muster.gang.catalogue import CATALOGUE, KILLED
+
+    text = PAGE.read_text()
+    for entry in [*CATALOGUE, KILLED]:
+        assert f"\n| {entry.name} | " in text, entry.name

@@ -93,6 +93,10 @@ def signed_in(browser: Any, cluster: LocalCluster) -> Any:
     page.fill("#token", cluster.token())
     page.click("button[type=submit]")
     page.wait_for_url("**/ui/jobs")
+    (cookie,) = context.cookies()
+    assert cookie["name"].startswith("muster_session_")
+    assert cookie["secure"], "over TLS the session cookie is Secure"
+    assert cookie["httpOnly"], "no script reads it"
     return page
 
 
@@ -282,6 +286,10 @@ def test_the_log_view_stays_responsive_with_1000_ranks_and_a_million_lines(
     held = page.evaluate("() => window.musterLogs.lines.length")
     page.evaluate("() => { document.getElementById('logview').scrollTop = 0; }")
     page.wait_for_function(f"() => window.musterLogs.lines.length > {held}")
+    # The reader's place is kept: the lines that were at the top are still there, the older
+    # page above them.
+    top = page.evaluate("() => document.getElementById('logview').scrollTop")
+    assert top >= (page.evaluate("() => window.musterLogs.lines.length") - held) * 18 - 18 * 12
     assert page.locator("#logview .ln").count() < 200
     assert not page.is_checked("#log-follow"), "reading back pauses following"
 

@@ -99,7 +99,7 @@ rank = int(os.environ["RANK"])
 print(f"rank {rank} up", flush=True)
 if rank == 3:
     print("rank 3 is about to fail", file=sys.stderr, flush=True)
-    sys.exit(1)
+    import a_module_nobody_installed  # a failure the catalogue names (exit code 1)
 time.sleep(600)
 """
 
@@ -114,6 +114,11 @@ def test_fail_fast_names_rank_3_and_leaves_no_process(
     cause = job["root_cause"]
     assert "node1 (worker agent-1): global rank 3 exited with code 1" in cause, cause
     assert "rank 3 is about to fail" in cause
+    # Named from its last lines, with the fix (muster.gang.catalogue).
+    assert "a module is missing: this rank's Python has no module a_module_nobody_installed" in (
+        cause
+    )
+    assert "\nfix: install it in the Python the agent runs ranks with" in cause
     wait_no_processes(cluster, job_id, timeout=30)
     final = wait_state(api, job_id)
     states = {m["node_rank"]: m["state"] for m in final["members"]}

@@ -36,6 +36,7 @@ from muster.gang import (
     root_cause,
     step,
 )
+from muster.gang.catalogue import classify
 from muster.spec import JobState, MemberState, PathClass
 
 J, M, P = JobState, MemberState, GangPhase
@@ -96,6 +97,10 @@ def stop(cause: str, *nodes: int) -> list[Action]:
     return [SendStop(W[n], cause) for n in nodes]
 
 
+# A silent SIGKILL is the OOM killer's mark (muster.gang.catalogue): named, with the fix.
+KILLED = classify([], "SIGKILL")
+assert KILLED is not None
+KILLED_CAUSE = "node1 (worker w1): torchrun was killed by SIGKILL\n" + KILLED.text()
 TIMEOUT = "timed out after 60s (spec.timeout)"
 USER = "cancelled by the user"
 LOST_W1 = "node1 (worker w1) was lost: no heartbeat for 30s"
@@ -323,8 +328,8 @@ CASES = [
         [
             SetMemberState(1, M.FAILED, -9, "SIGKILL"),
             ReleaseWorker("w1"),
-            SetJobState(J.FAILED, "node1 (worker w1): torchrun was killed by SIGKILL"),
-            *stop("node1 (worker w1): torchrun was killed by SIGKILL", 0, 2),
+            SetJobState(J.FAILED, KILLED_CAUSE),
+            *stop(KILLED_CAUSE, 0, 2),
         ],
         id="running-member-killed",
     ),

@@ -12,8 +12,12 @@ async function getText(url) {
 }
 
 async function apiError(r) {
-  try { const body = await r.json(); return body.error || body.detail || ("HTTP " + r.status); }
-  catch (e) { return "HTTP " + r.status; }
+  try {
+    const body = await r.json();
+    if (body.error) return body.error;
+    if (Array.isArray(body.detail)) return body.detail.map((d) => (d.loc || []).join(".") + ": " + d.msg).join("; ");
+    return body.detail || ("HTTP " + r.status);
+  } catch (e) { return "HTTP " + r.status; }
 }
 
 // ---- fragments: <el data-refresh="/ui/..." data-every="ms"> ---------------------------------
@@ -66,11 +70,13 @@ class LogView {
     this.form = section.querySelector("#log-filters");
     this.lines = [];      // [{tag, text, cls}]
     this.pages = [];      // [{prev, n}] in order: where each held page starts, and its size
-    this.next = "";       // cursor after the newest held line
+    this.next = null;     // cursor after the newest held line (null: not known, reload first)
+    this.filter = {};     // the filter applied (read from the form only on Apply)
     this.olderDone = false;
     this.busy = false;
-    this.generation = 0;  // a filter change abandons fetches already on their way
+    this.generation = 0;  // a reload abandons every fetch already on its way
     this.jobEnded = false;
+    this.caughtUp = false;
     this.error = "";
     this.box.addEventListener("scroll", () => this.onScroll());
     this.form.addEventListener("submit", (ev) => { ev.preventDefault(); this.reload(); });
@@ -79,26 +85,38 @@ class LogView {
     setInterval(() => this.poll(), POLL_MS);
   }
 
-  query(extra) {
-    const p = new URLSearchParams(extra);
+  readFilter() {
+    const f = {};
     const ranks = document.getElementById("log-ranks").value.trim();
     const node = document.getElementById("log-node").value.trim();
     const origin = document.getElementById("log-origin").value;
-    if (ranks) p.set("ranks", ranks);
-    if (node !== "") p.set("node", node);
-    if (origin) p.set("origin", origin);
+    if (ranks) f.ranks = ranks;
+    if (node !== "") f.node = node;
+    if (origin) f.origin = origin;
+    return f;
+  }
+
+  query(extra) {
+    const p = new URLSearchParams({ ...this.filter, ...extra });
     return "/v1/jobs/" + encodeURIComponent(this.job) + "/logs?" + p.toString();
   }
 
-  async fetchPage(extra) {
-    const gen = this.generation;
-    const r = await fetch(this.query(extra), { credentials: "same-origin" });
-    if (gen !== this.generation) return null;
-    if (!r.ok) { this.error = await apiError(r); this.showStatus(); return null; }
-    this.error = "";
-    const page = await r.json();
-    this.jobEnded = ["succeeded", "failed", "cancelled"].includes(page.state);
-    return page;
+  // One page, or null when it failed (the error shows) or a reload made it stale.
+  async fetchPage(extra, gen) {
+    try {
+      const r = await fetch(this.query(extra), { credentials: "same-origin" });
+      if (gen !== this.generation) return null;
+      if (r.status === 401) { location.href = "/ui/login?next=" + encodeURIComponent(location.pathname); return null; }
+      if (!r.ok) { this.error = await apiError(r); this.showStatus(); return null; }
+      const page = await r.json();
+      if (gen !== this.generation) return null;
+      this.error = "";
+      this.jobEnded = ["succeeded", "failed", "cancelled"].includes(page.state);
+      return page;
+    } catch (e) {
+      if (gen === this.generation) { this.error = "the controller did not answer (" + e.message + "); retrying"; this.showStatus(); }
+      return null;
+    }
   }
 
   convert(lines) {
@@ -109,58 +127,72 @@ class LogView {
     }));
   }
 
+  // Run ``work`` as the one fetch in flight of this generation.
+  async exclusive(work) {
+    if (this.busy) return;
+    const gen = this.generation;
+    this.busy = true;
+    try { await work(gen); } finally { if (gen === this.generation) this.busy = false; }
+  }
+
   async reload() {
     this.generation += 1;
-    this.busy = true;
-    this.lines = []; this.pages = []; this.olderDone = false;
-    const page = await this.fetchPage({ tail: "true", limit: String(PAGE) });
     this.busy = false;
-    if (!page) { this.render(); return; }
-    this.lines = this.convert(page.lines);
-    this.pages = [{ prev: page.prev, n: page.lines.length }];
-    this.olderDone = page.lines.length < PAGE;
-    this.next = page.next;
-    this.render(true);
+    this.filter = this.readFilter();
+    this.lines = []; this.pages = []; this.next = null; this.olderDone = false; this.caughtUp = false;
+    await this.exclusive(async (gen) => {
+      const page = await this.fetchPage({ tail: "true", limit: String(PAGE) }, gen);
+      if (!page) { this.render(false); return; }
+      this.lines = this.convert(page.lines);
+      this.pages = [{ prev: page.prev, n: page.lines.length }];
+      this.olderDone = page.lines.length < PAGE;
+      this.next = page.next;
+      this.render(true);
+    });
   }
 
   async poll() {
-    if (!this.follow.checked || this.busy || document.hidden) return;
+    if (!this.follow.checked || document.hidden) return;
+    if (this.next === null) { if (!this.busy) this.reload(); return; }  // the tail never came
     if (this.jobEnded && this.caughtUp) return;
-    this.busy = true;
-    const page = await this.fetchPage({ after: this.next, limit: String(PAGE) });
-    this.busy = false;
-    if (!page) return;
-    this.caughtUp = page.lines.length === 0;
-    if (page.lines.length >= PAGE) { this.reload(); return; }  // far behind: jump to the tail
-    if (!page.lines.length) { this.showStatus(); return; }
-    this.lines.push(...this.convert(page.lines));
-    this.pages.push({ prev: page.prev, n: page.lines.length });
-    this.next = page.next;
-    while (this.lines.length > MAX_HELD && this.pages.length > 1) {
-      const first = this.pages.shift();
-      this.lines.splice(0, first.n);
-      this.olderDone = false;
-    }
-    this.render(true);
+    await this.exclusive(async (gen) => {
+      const page = await this.fetchPage({ after: this.next, limit: String(PAGE) }, gen);
+      if (!page) return;
+      this.caughtUp = page.lines.length === 0;
+      if (page.lines.length >= PAGE) { setTimeout(() => this.reload(), 0); return; }  // far behind: to the tail
+      if (!page.lines.length) { this.showStatus(); return; }
+      this.lines.push(...this.convert(page.lines));
+      this.pages.push({ prev: page.prev, n: page.lines.length });
+      this.next = page.next;
+      while (this.lines.length > MAX_HELD && this.pages.length > 1) {
+        const first = this.pages.shift();
+        this.lines.splice(0, first.n);
+        this.olderDone = false;
+      }
+      this.render(true);
+    });
   }
 
   async older() {
-    if (this.busy || this.olderDone || !this.pages.length || !this.pages[0].prev) return;
-    this.busy = true;
-    const page = await this.fetchPage({ before: this.pages[0].prev, limit: String(PAGE) });
-    this.busy = false;
-    if (!page) return;
-    if (!page.lines.length) { this.olderDone = true; this.showStatus(); return; }
-    this.lines.unshift(...this.convert(page.lines));
-    this.pages.unshift({ prev: page.prev, n: page.lines.length });
-    this.olderDone = page.lines.length < PAGE;
-    this.box.scrollTop += page.lines.length * ROW_H;  // the same lines stay on screen
-    while (this.lines.length > MAX_HELD && this.pages.length > 1) {
-      const last = this.pages.pop();
-      this.lines.splice(this.lines.length - last.n, last.n);
-      this.follow.checked = false;  // the newest lines are no longer held
-    }
-    this.render(false);
+    if (this.olderDone || !this.pages.length || !this.pages[0].prev) return;
+    await this.exclusive(async (gen) => {
+      const page = await this.fetchPage({ before: this.pages[0].prev, limit: String(PAGE) }, gen);
+      if (!page) return;
+      if (!page.lines.length) { this.olderDone = true; this.showStatus(); return; }
+      this.lines.unshift(...this.convert(page.lines));
+      this.pages.unshift({ prev: page.prev, n: page.lines.length });
+      this.olderDone = page.lines.length < PAGE;
+      // Grow the list first, then move down by what came in: the same lines stay on screen.
+      this.spacer.style.height = this.lines.length * ROW_H + "px";
+      this.box.scrollTop += page.lines.length * ROW_H;
+      while (this.lines.length > MAX_HELD && this.pages.length > 1) {
+        const last = this.pages.pop();
+        this.lines.splice(this.lines.length - last.n, last.n);
+        this.follow.checked = false;  // the newest lines are no longer held:
+        this.next = null;             // following again starts from the tail
+      }
+      this.render(false);
+    });
   }
 
   onScroll() {
@@ -174,8 +206,11 @@ class LogView {
   render(toBottom) {
     this.spacer.style.height = this.lines.length * ROW_H + "px";
     if (toBottom && this.follow.checked) {
-      this.autoScrolling = true;
-      this.box.scrollTop = this.box.scrollHeight;
+      const target = this.box.scrollHeight - this.box.clientHeight;
+      if (Math.abs(this.box.scrollTop - target) > 1) {
+        this.autoScrolling = true;  // the scroll event this makes is not the reader's
+        this.box.scrollTop = target;
+      }
     }
     this.draw();
     this.showStatus();
