@@ -17,7 +17,7 @@ def logs(
     job_id: str = typer.Argument(...),
     follow: bool = typer.Option(False, "--follow", "-f", help="keep printing until the job ends"),
     rank: int = typer.Option(None, help="only this global rank"),
-    node: int = typer.Option(None, help="only the ranks of this node"),
+    node: int = typer.Option(None, help="only this node's lines: its ranks' and its torchrun's"),
     controller: str = ControllerOpt,
     token_file: Path | None = TokenFileOpt,
 ) -> None:

@@ -177,6 +177,14 @@ def test_the_log_reads_the_view_makes_and_their_refusals(
         assert [ln["text"] for ln in node] == ["torchrun node1"]
         in_node = client.get(url, params={"node": 1, "ranks": "0-2"}).json()["lines"]
         assert {ln["rank"] for ln in in_node} == {2}, "node 1 holds ranks 2-3"
+        whole = client.get(url, params={"node": 1}).json()["lines"]
+        assert {(ln["origin"], ln["rank"]) for ln in whole} == {
+            ("rank", 2),
+            ("rank", 3),
+            ("node", 1),
+        }, "a node alone: its ranks' lines and its torchrun's"
+        wide = client.get(url, params={"ranks": "0-1000000000"}).json()["lines"]
+        assert len(wide) == len(lines), "a huge range is one clause, not a billion values"
         for params, words in [
             ({"ranks": "3-1"}, "from low to high"),
             ({"ranks": "x"}, "write e.g. 0-3,7"),
