@@ -227,6 +227,16 @@ class Client:
     def window(self, job_id: str) -> dict[str, Any]:
         return dict(self._call("GET", f"/v1/jobs/{job_id}/window"))
 
+    def stacks(
+        self, job_id: str, *, rank: int | None = None, native: bool = False
+    ) -> dict[str, Any]:
+        """Every running rank's Python stack (or ``rank``'s): see ``GET .../stacks``."""
+        params: dict[str, Any] = {"native": "true" if native else "false"}
+        if rank is not None:
+            params["rank"] = rank
+        result: dict[str, Any] = self._call("GET", f"/v1/jobs/{job_id}/stacks", params=params)
+        return result
+
     def logs(
         self,
         job_id: str,

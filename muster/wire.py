@@ -115,6 +115,11 @@ class Kind(IntEnum):
     # ``join``): {job, admitted, reason, phase, first_rank, ranks}. After a refusal, or once
     # the window has closed without it, the walk-in has nothing to do on this link.
     JOIN_REPLY = 60
+    # Diagnosis (muster.agent.stacks): C->A, the Python stacks of this member's ranks:
+    # {job, epoch, node_rank, request, ranks: [global ranks] | null, native, timeout}
+    STACKS = 70
+    # A->C, the answer: {request, job, node_rank, stacks: {rank: text}, error: str | null}
+    STACKS_DONE = 71
 
 
 OPEN_PREFIX = "open-"  # the worker ids of links admitted without the join secret

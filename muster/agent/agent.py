@@ -34,6 +34,7 @@ from muster.agent.launcher import MemberRun
 from muster.agent.network import GangNetwork
 from muster.agent.prepare import NotReady, Preparation
 from muster.agent.retention import remove_stale_job_dirs
+from muster.agent.stacks import dump_ranks
 from muster.agent.tunnel import SshTunnel
 from muster.client import pinned_ssl_context
 from muster.errors import InfrastructureError
@@ -45,6 +46,7 @@ log = logging.getLogger("muster.agent")
 BATCH_LINES = 4000
 FLUSH_S = 0.05
 MAX_UNACKED = 32  # batches in flight before capture waits: nothing is dropped
+STACK_TIMEOUT_S = 15.0  # one rank's py-spy dump at most (the request may ask less)
 # Lines held in memory (waiting or unacked) before the capture stops reading the ranks' files:
 # while the controller is away, the rest waits on disk where torchrun wrote it.
 MAX_BACKLOG_LINES = 200_000
@@ -510,8 +512,30 @@ class Agent:
             )
         elif frame.kind is Kind.JOIN_REPLY:
             self._join_reply(body)
+        elif frame.kind is Kind.STACKS:
+            self._in_background(self._stacks(body))
         elif frame.kind is Kind.ERROR:
             raise LinkRefused(f"the controller refused: {body.get('message')}")
+
+    async def _stacks(self, body: dict[str, Any]) -> None:
+        """STACKS: py-spy's dump of this member's ranks (bounded), as STACKS_DONE."""
+        job, epoch = str(body.get("job")), body.get("epoch")
+        answer: dict[str, Any] = {"request": body.get("request"), "job": job, "stacks": {}}
+        member = self.members.get(job)
+        answer["node_rank"] = member.node if member is not None else body.get("node_rank")
+        ranks = body.get("ranks")
+        timeout = min(float(body.get("timeout") or STACK_TIMEOUT_S), STACK_TIMEOUT_S)
+        if member is None or member.epoch != epoch or member.proc is None or member.finished:
+            answer["error"] = f"no running member of job {job} (epoch {epoch}) here"
+        else:
+            found = await dump_ranks(
+                member.proc.pid,
+                [int(r) for r in ranks] if isinstance(ranks, list) else None,
+                bool(body.get("native")),
+                timeout,
+            )
+            answer["stacks"] = {str(rank): text for rank, text in found.items()}
+        await self.send(Kind.STACKS_DONE, answer)
 
     def _join_reply(self, body: dict[str, Any]) -> None:
         """The window's answer to this walk-in (muster join)."""

@@ -67,6 +67,7 @@ def load_commands() -> typer.Typer:
         plan,
         publish,
         server,
+        stacks,
         token,
         up,
         validate,

@@ -176,6 +176,19 @@ async def window(job_id: str, request: Request) -> dict[str, Any]:
     return await controller(request).window_view(job_id)
 
 
+@users.get("/jobs/{job_id}/stacks")
+async def stacks(
+    job_id: str,
+    request: Request,
+    rank: int | None = Query(None, ge=0, lt=INT32),
+    native: bool = False,
+) -> dict[str, Any]:
+    """Every running rank's Python stack (py-spy on each agent), or one rank's: ``stacks``
+    [{rank, node, text}], ``errors`` per node, ``missing`` (nodes that did not answer in
+    time). The job goes on; each dump is bounded."""
+    return await controller(request).stacks.collect(job_id, rank, native)
+
+
 # ---- logs --------------------------------------------------------------------------------
 
 

@@ -31,6 +31,7 @@ from muster.controller.ingest import LogIngest
 from muster.controller.links import CLOSE_REFUSED, Link, LinkEnded
 from muster.controller.metrics import Metrics
 from muster.controller.runs import JoinKeys, RunEntry, rebuild_run
+from muster.controller.stacks import StackDesk
 from muster.controller.windows import WindowDesk
 from muster.controller.writer import StoreWriter
 from muster.errors import BadRequest, IllegalTransition, InfrastructureError, PlacementConflict
@@ -160,6 +161,7 @@ class Controller:
         self._closing: set[asyncio.Task[None]] = set()
         self.supported_paths = SUPPORTED_PATHS
         self.windows = WindowDesk(self)  # join windows of membership: window jobs
+        self.stacks = StackDesk(self)  # muster stacks: the ranks' Python stacks
 
     async def db(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run a store call off the event loop."""
@@ -674,6 +676,8 @@ class Controller:
             await link.send(Kind.HEARTBEAT_ACK, {"stop": stops})
         elif frame.kind is Kind.LOGS:
             await self.logs.put(link, frame.body)
+        elif frame.kind is Kind.STACKS_DONE:  # an answer someone waits for: not behind others
+            self.stacks.reply(link.worker_id, frame.body)
         else:
             await link.inbox.put(frame)
 

@@ -1,0 +1,75 @@
+"""``muster stacks JOB [--rank N] [--native]``: where every rank is, folded.
+
+Ranks whose stacks are the same (process ids and thread ids aside) are printed once, as one
+block headed by their ranks; the blocks of the fewest ranks come first, so a rank that is not
+where the others are (the one that never reached the collective) is at the top.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from muster.cli.common import ControllerOpt, TokenFileOpt, client
+from muster.cli.main import app, err, out, reports_errors
+
+_HEADER = re.compile(r"^(Process \d+:|Python v)")
+_THREAD = re.compile(r"^(Thread) (0x[0-9A-Fa-f]+|\d+)")
+
+
+def normalized(text: str) -> str:
+    """A rank's stacks without what differs between identical ranks (pids, thread ids)."""
+    lines = [line for line in text.splitlines() if not _HEADER.match(line)]
+    return "\n".join(_THREAD.sub(r"\1", line) for line in lines).strip()
+
+
+def ranks_label(ranks: list[int]) -> str:
+    """[0, 1, 2, 5] -> 'rank0-2,5'."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and runs[-1][1] == r - 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return "rank" + ",".join(f"{a}-{b}" if a != b else f"{a}" for a, b in runs)
+
+
+def folded(stacks: list[dict[str, Any]]) -> list[tuple[list[int], str]]:
+    """(ranks, stack) per distinct stack, the fewest ranks first (ties: lowest rank)."""
+    groups: dict[str, list[int]] = {}
+    for item in stacks:
+        groups.setdefault(normalized(str(item["text"])), []).append(int(item["rank"]))
+    return sorted(
+        ((sorted(r), text) for text, r in groups.items()), key=lambda g: (len(g[0]), g[0])
+    )
+
+
+@app.command()
+@reports_errors
+def stacks(
+    job_id: str = typer.Argument(...),
+    rank: int = typer.Option(None, help="only this global rank"),
+    native: bool = typer.Option(False, help="with native (C/C++) frames, as py-spy --native"),
+    controller: str = ControllerOpt,
+    token_file: Path | None = TokenFileOpt,
+) -> None:
+    """The Python stack of every running rank (py-spy on each agent), folded: ranks that
+    are in the same place print once, the odd ones first. The job goes on."""
+    answer = client(controller, token_file).stacks(job_id, rank=rank, native=native)
+    groups = folded(answer["stacks"])
+    majority = len(groups[-1][0]) if groups else 0
+    for ranks, text in groups:
+        odd = len(groups) > 1 and len(ranks) < majority
+        head = f"[{ranks_label(ranks)}]" + (" differs from the others" if odd else "")
+        out.print(head, style="bold yellow" if odd else "bold", markup=False)
+        out.print("\n".join(f"  {line}" for line in text.splitlines()), markup=False)
+    for problem in answer["errors"]:
+        err.print(f"node{problem['node']}: {problem['error']}", markup=False)
+    if answer["missing"]:
+        nodes = ", ".join(f"node{n}" for n in answer["missing"])
+        err.print(f"no answer in time from {nodes}", markup=False)
+    if not groups:
+        raise typer.Exit(1)

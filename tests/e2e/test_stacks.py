@@ -1,0 +1,81 @@
+"""`muster stacks` on a job that hangs in a collective: real agents, torchrun, gloo, py-spy.
+
+Ranks 0-2 wait in all_reduce for rank 3, which sleeps before it: the folded output names
+rank 3 first, as the one that is not where the others are, and the job goes on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from muster.cli.local import LocalCluster
+from muster.cli.stacks import folded, ranks_label
+from tests.e2e.helpers import all_lines, submit, wait_state, write_job
+from tests.e2e.test_window import muster
+
+pytestmark = pytest.mark.timeout(300)
+
+HANGS = """
+import time, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+print(f"rank {rank} ready", flush=True)
+if rank == 3:
+    time.sleep(600)  # never reaches the collective
+t = torch.ones(1)
+dist.all_reduce(t)
+"""
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    with LocalCluster(agents=2) as c:
+        yield c
+
+
+def test_stacks_name_the_rank_that_never_reached_the_collective(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    api = cluster.client()
+    job = submit(api, write_job(tmp_path / "hang", "hang", HANGS, timeout="5m"))
+    deadline = time.monotonic() + 120
+    while sum(ln["text"].endswith("ready") for ln in all_lines(api, job)) < 4:
+        assert time.monotonic() < deadline, all_lines(api, job)
+        time.sleep(0.3)
+    time.sleep(1)  # ranks 0-2 go on into all_reduce
+
+    shown = muster(cluster, "stacks", job)
+    assert shown.returncode == 0, shown.stderr
+    blocks = shown.stdout.split("\n[")
+    assert blocks[0].startswith("[rank3] differs from the others"), shown.stdout
+    assert "<module> (train.py:7)" in blocks[0], "rank 3 is in its sleep"
+    assert blocks[1].startswith("rank0-2]"), shown.stdout
+    assert "all_reduce" in blocks[1], "the others wait in the collective"
+    assert "Process " not in shown.stdout, "pids are folded away"
+
+    one = api.stacks(job, rank=1)
+    assert [s["rank"] for s in one["stacks"]] == [1]
+    assert one["missing"] == []
+    assert api.job(job)["state"] == "running", "looking does not stop the job"
+    api.cancel(job)
+    wait_state(api, job)
+    gone = muster(cluster, "stacks", job)
+    assert gone.returncode == 2
+    assert f"job {job} has no running ranks (it is cancelled)" in gone.stderr
+
+
+def test_folding_puts_the_odd_ranks_first() -> None:
+    same = 'Thread 100 (idle): "MainThread"\n    wait (x.py:1)'
+    other = 'Thread 7 (active): "MainThread"\n    sleep (x.py:2)'
+    stacks = [
+        {"rank": r, "text": f"Process {r}: python\nPython v3.11\n\n" + same.replace("100", str(r))}
+        for r in (0, 1, 2, 5)
+    ] + [{"rank": 3, "text": other}]
+    groups = folded(stacks)
+    assert [ranks for ranks, _ in groups] == [[3], [0, 1, 2, 5]]
+    assert groups[1][1] == 'Thread (idle): "MainThread"\n    wait (x.py:1)'
+    assert ranks_label([0, 1, 2, 5, 7, 8]) == "rank0-2,5,7-8"
