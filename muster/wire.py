@@ -120,6 +120,9 @@ class Kind(IntEnum):
     STACKS = 70
     # A->C, the answer: {request, job, node_rank, stacks: {rank: text}, error: str | null}
     STACKS_DONE = 71
+    # A->C, with hang_timeout set (muster.agent.hang): the member's ranks turned silent and
+    # idle, or active again: {job, epoch, node_rank, hung, ranks: [first, last], silent_s}
+    HUNG = 72
 
 
 OPEN_PREFIX = "open-"  # the worker ids of links admitted without the join secret

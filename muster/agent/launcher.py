@@ -23,6 +23,7 @@ import httpx
 import psutil
 
 from muster.agent.capture import Line, RankTailer, line_fields, list_outputs, root_cause
+from muster.agent.hang import CHECK_EVERY_S, HangWatch, tree_cpu_seconds
 from muster.agent.reaper import terminate
 from muster.errors import InfrastructureError
 from muster.net import cgroup
@@ -177,9 +178,18 @@ class MemberRun:
             asyncio.create_task(self._pump(self.proc.stderr, "stderr")),
         ]
         wait = asyncio.create_task(self.proc.wait())
+        watch = None
+        if self.spec.hang_timeout:
+            watch = HangWatch(float(self.spec.hang_timeout), time.monotonic())
+        read, next_check = 0, time.monotonic() + CHECK_EVERY_S
         while not wait.done():
             if self.may_read():  # else the lines wait in the rank files on disk
-                tailer.poll()
+                read += tailer.poll()
+            else:
+                read = -1  # not reading is not silence
+            if watch is not None and time.monotonic() >= next_check:
+                await self._check_hang(watch, read, ranks)
+                read, next_check = 0, time.monotonic() + CHECK_EVERY_S
             await asyncio.wait([wait], timeout=POLL_S)
         # torchrun is gone; a rank it left behind (torchrun killed by the OOM killer, say)
         # still holds its GPU: end the rest of its process group before reporting the exit.
@@ -189,6 +199,25 @@ class MemberRun:
         tailer.poll(final=True)
         await self._report_exit(self.proc.returncode or 0, tailer)
         await self._upload(out_dir)
+
+    async def _check_hang(self, watch: HangWatch, read: int, ranks: range) -> None:
+        """HUNG to the controller when this member turns silent and idle, or stops being."""
+        assert self.proc is not None
+        cpu = await asyncio.to_thread(tree_cpu_seconds, self.proc.pid, False)
+        now = time.monotonic()
+        flipped = watch.observe(now, read, cpu)
+        if flipped is None:
+            return
+        silent = round(watch.silent_for(now))
+        log.warning(
+            "job %s: ranks %d-%d %s",
+            self.job,
+            ranks.start,
+            ranks.stop - 1,
+            f"printed nothing and used no CPU for {silent}s" if flipped else "are active again",
+        )
+        body = {"hung": flipped, "ranks": [ranks.start, ranks.stop - 1], "silent_s": silent}
+        await self.send(Kind.HUNG, {**self.ids(), **body})
 
     async def _reaper(self, pid: int) -> None:
         """Start the watchdog a moment after torchrun, so the two do not compete for the CPU

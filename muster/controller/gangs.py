@@ -38,6 +38,7 @@ from muster.errors import BadRequest, IllegalTransition, InfrastructureError, Pl
 from muster.gang import (
     Action,
     Cancel,
+    CaptureStacks,
     ControllerRestarted,
     Event,
     GangRun,
@@ -45,6 +46,7 @@ from muster.gang import (
     LinkBack,
     LinkLost,
     MemberExited,
+    MemberHung,
     MemberReport,
     MemberStarted,
     NetPath,
@@ -231,6 +233,8 @@ class Controller:
                 writes.append(ReleaseWrite(action.worker, job))
             elif isinstance(action, KeepApart):
                 self._keep_apart(job, action.path, action.pairs)
+            elif isinstance(action, CaptureStacks):
+                self.stacks.capture_later(job)
             elif isinstance(action, SetCondition):
                 writes.append(
                     ConditionWrite(job, action.type, action.status, action.reason, action.message)
@@ -584,6 +588,7 @@ class Controller:
                     timeout=spec.timeout or None,
                     master_addr=planned.master_addr,
                     probe_seconds=_probe_seconds(spec, entry.inventories),
+                    fail_on_hang=spec.on_hang == "fail",
                 ),
             )
         except Exception as exc:  # one gang's trouble does not strand the others
@@ -781,6 +786,9 @@ class Controller:
             lost = body.get("lost")
             nodes = [at[a] for a in lost if a in at] if isinstance(lost, list) else []
             event = NetPath(node, tuple(nodes))
+        elif kind is Kind.HUNG:
+            first, last = (int(r) for r in body.get("ranks") or (0, 0))
+            event = MemberHung(node, bool(body.get("hung")), (first, last), int(body["silent_s"]))
         elif kind is Kind.RENDEZVOUS_READY:
             event = PortPublished(node, str(body["addr"]), int(body["port"]))
         elif kind is Kind.MEMBER_STARTED:
@@ -891,6 +899,13 @@ class Controller:
         return written
 
     # ---- cancel, links -------------------------------------------------------------------
+
+    async def step_job(self, job_id: str, event: Event) -> None:
+        """Step a job's run with an event from the controller itself (StacksCaptured)."""
+        async with self.lock:
+            entry = self.runs.get(job_id)
+            if entry is not None and not entry.gang.is_over:
+                await self._step(entry, event)
 
     async def cancel(self, job_id: str) -> None:
         async with self.lock:

@@ -9,17 +9,22 @@ went to, for a request still open. Who may call: the API token (a user route).
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from muster.errors import BadRequest, UserError
+from muster.gang import StacksCaptured
 from muster.plan import rank_plan
+from muster.plan.stacks import folded_text
+from muster.store.writes import EventWrite
 from muster.wire import Kind
 
 if TYPE_CHECKING:
     from muster.controller.gangs import Controller
 
+log = logging.getLogger("muster.controller")
 RANK_TIMEOUT_S = 10.0  # what each agent gets per rank's dump
 STACKS_AT_ONCE = 8  # dumps an agent runs at once (muster.agent.stacks)
 ANSWER_SLACK_S = 5.0  # on top of it, for the frames
@@ -37,6 +42,7 @@ class StackDesk:
     def __init__(self, controller: Controller) -> None:
         self.c = controller
         self.open: dict[str, _Request] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
 
     async def collect(self, job_id: str, rank: int | None, native: bool) -> dict[str, Any]:
         await self.c.db(self.c.store.job, job_id)  # 404 for a job that does not exist
@@ -94,6 +100,26 @@ class StackDesk:
                 stacks.append({"rank": int(key), "node": node, "text": str(text)})
         missing = sorted(set(request.workers.values()) - set(request.answers))
         return {"job": job_id, "stacks": stacks, "errors": errors, "missing": missing}
+
+    def capture_later(self, job_id: str) -> None:
+        """The stacks of every running rank into the job's events (HungStacks), then the
+        gang hears StacksCaptured: a task of its own, never under the controller's lock."""
+        task = asyncio.create_task(self._capture(job_id))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _capture(self, job_id: str) -> None:
+        try:
+            answer = await self.collect(job_id, None, False)
+            text = folded_text(answer["stacks"]) or "no stack could be read"
+            problems = [f"node{e['node']}: {e['error']}" for e in answer["errors"]]
+            problems += [f"node{n}: no answer in time" for n in answer["missing"]]
+            message = text + ("\n" + "\n".join(problems) if problems else "")
+        except Exception as exc:  # the gang still hears that the capture is over
+            log.warning("job %s: reading the stacks of a hung job failed: %s", job_id, exc)
+            message = f"the stacks could not be read: {exc}"
+        self.c.writer.submit([EventWrite("HungStacks", message, job_id)])
+        await self.c.step_job(job_id, StacksCaptured())
 
     def reply(self, worker: str, body: dict[str, Any]) -> None:
         """A STACKS_DONE: kept only from the worker the open request went to."""

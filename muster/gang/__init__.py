@@ -2,6 +2,7 @@
 
 from muster.gang.actions import (
     Action,
+    CaptureStacks,
     KeepApart,
     RecordEvent,
     ReleaseWorker,
@@ -25,6 +26,7 @@ from muster.gang.events import (
     LinkBack,
     LinkLost,
     MemberExited,
+    MemberHung,
     MemberReport,
     MemberStarted,
     NetPath,
@@ -36,6 +38,7 @@ from muster.gang.events import (
     ProbeDone,
     ProbePair,
     ProbeReady,
+    StacksCaptured,
     Tick,
 )
 from muster.gang.lifecycle import step
@@ -53,6 +56,7 @@ __all__ = [
     "GANG_TRANSITIONS",
     "Action",
     "Cancel",
+    "CaptureStacks",
     "ControllerRestarted",
     "Event",
     "GangPhase",
@@ -62,6 +66,7 @@ __all__ = [
     "LinkLost",
     "Member",
     "MemberExited",
+    "MemberHung",
     "MemberReport",
     "MemberSnapshot",
     "MemberStarted",
@@ -87,6 +92,7 @@ __all__ = [
     "SetJobState",
     "SetMemberState",
     "SetRendezvous",
+    "StacksCaptured",
     "Tick",
     "root_cause",
     "step",

@@ -110,6 +110,13 @@ class SetMemberState:
 
 
 @dataclass(frozen=True)
+class CaptureStacks:
+    """Read every running rank's stack (py-spy on the agents) into the job's events."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
 class RecordEvent:
     """Append to the job's event log."""
 
@@ -137,6 +144,7 @@ class KeepApart:
 
 Action: TypeAlias = (
     KeepApart
+    | CaptureStacks
     | SendProbeListen
     | SendProbeRun
     | SetCondition

@@ -24,6 +24,7 @@ class Placed:
     timeout: int | None = None  # spec.timeout in seconds; None: no limit
     master_addr: str | None = None  # the address planned for node 0, passed on in PREPARE
     probe_seconds: float | None = None  # the probe's throughput sample; None: no probe
+    fail_on_hang: bool = False  # spec.on_hang == "fail"
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,22 @@ class NetPath:
 
     node: int
     lost: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class MemberHung:
+    """HUNG: the member's ranks printed nothing and used no CPU for the job's hang_timeout
+    (``hung``), or are active again."""
+
+    node: int
+    hung: bool
+    ranks: tuple[int, int] = (0, 0)  # the member's first and last global rank
+    silent_s: int = 0
+
+
+@dataclass(frozen=True)
+class StacksCaptured:
+    """The stacks CaptureStacks asked for are in the job's events (or could not be read)."""
 
 
 @dataclass(frozen=True)
@@ -186,6 +203,8 @@ Event: TypeAlias = (
     | ProbeReady
     | ProbeDone
     | NetPath
+    | MemberHung
+    | StacksCaptured
     | PortPublished
     | MemberStarted
     | MemberExited

@@ -33,6 +33,7 @@ from typing import Any
 
 from muster.gang.actions import (
     Action,
+    CaptureStacks,
     KeepApart,
     RecordEvent,
     ReleaseWorker,
@@ -56,6 +57,7 @@ from muster.gang.events import (
     LinkBack,
     LinkLost,
     MemberExited,
+    MemberHung,
     MemberStarted,
     NetPath,
     NetReady,
@@ -66,6 +68,7 @@ from muster.gang.events import (
     ProbeDone,
     ProbePair,
     ProbeReady,
+    StacksCaptured,
     Tick,
 )
 from muster.gang.run import GangPhase, GangRun, Member
@@ -100,6 +103,10 @@ def step(run: GangRun, event: Event, now: float) -> tuple[GangRun, tuple[Action,
         _probe_done(turn, event)
     elif isinstance(event, NetPath):
         _net_path(turn, event)
+    elif isinstance(event, MemberHung):
+        _member_hung(turn, event)
+    elif isinstance(event, StacksCaptured):
+        _fail_hung(turn)
     elif isinstance(event, PortPublished):
         _port_published(turn, event)
     elif isinstance(event, MemberStarted):
@@ -184,6 +191,7 @@ def _placed(turn: _Turn, event: Placed) -> None:
         deadline=turn.now + event.timeout if event.timeout else None,
         rendezvous_deadline=turn.now + RENDEZVOUS_TIMEOUT_S,
         probe_seconds=event.probe_seconds if len(event.workers) > 1 else None,
+        fail_on_hang=event.fail_on_hang,
     )
     if event.path is PathClass.DIRECT and len(event.workers) > 1:
         # The gang's own network first: every member makes a key and a device; the keys
@@ -454,6 +462,66 @@ def _net_path(turn: _Turn, event: NetPath) -> None:
     _degraded(turn, member.node)
 
 
+HANG_STACKS_WAIT_S = 30.0  # on_hang "fail" waits this long at most for the stacks
+HANG_FIX = (
+    "fix: the stacks in the job's events (HungStacks; `muster stacks JOB` while it runs) show "
+    "where each rank waits: most often all but one wait in a collective for the one that "
+    "did not reach it"
+)
+
+
+def _member_hung(turn: _Turn, event: MemberHung) -> None:
+    """HUNG from a running member. Hung is raised once every running member is silent and
+    idle (naming their ranks; the stacks are captured at that moment), and with on_hang
+    "fail" the job ends failed; it is lowered when one is active again."""
+    member = turn.member(event.node)
+    if member is None or turn.run.is_over or not member.started or member.gone:
+        return
+    if member.hung == event.hung and member.ranks == event.ranks:
+        return
+    turn.update(member.node, hung=event.hung, ranks=event.ranks)
+    _hung(turn, event.silent_s)
+
+
+def _hung(turn: _Turn, silent_s: int = 0) -> None:
+    run = turn.run
+    running = [m for m in run.members if m.started and not m.gone]
+    every = bool(running) and all(m.hung for m in running)
+    if every and not run.hung:
+        ranks = ", ".join(
+            f"node{m.node} ranks {m.ranks[0]}-{m.ranks[1]}" if m.ranks else f"node{m.node}"
+            for m in running
+        )
+        message = (
+            f"epoch {run.epoch}: every rank printed nothing and used no CPU for "
+            f"{silent_s}s or more (hang_timeout): {ranks}"
+        )
+        turn.emit(
+            SetCondition("Hung", True, "RanksSilent", message),
+            RecordEvent("Hung", message, {"epoch": run.epoch, "nodes": [m.node for m in running]}),
+            CaptureStacks(message),
+        )
+        turn.run = replace(turn.run, hung=True, hang_message=message)
+        if run.fail_on_hang:  # once the stacks are in (or after a bound): they need the ranks
+            turn.run = replace(turn.run, hang_fail_at=turn.now + HANG_STACKS_WAIT_S)
+    elif not every and run.hung:
+        active = [m for m in running if not m.hung]
+        message = (
+            f"epoch {run.epoch}: " + ", ".join(f"node{m.node}" for m in active) + (" active again")
+        )
+        turn.emit(
+            SetCondition("Hung", False, "RanksActive", message),
+            RecordEvent("Unhung", message, {"epoch": run.epoch}),
+        )
+        turn.run = replace(turn.run, hung=False, hang_fail_at=None)
+
+
+def _fail_hung(turn: _Turn) -> None:
+    """on_hang "fail": the job ends failed, its stacks captured (or their wait over)."""
+    if turn.run.hang_fail_at is not None and not turn.run.is_over:
+        _fail(turn, JobState.FAILED, f"hung: {turn.run.hang_message}\n{HANG_FIX}")
+
+
 def _degraded(turn: _Turn, node: int) -> None:
     """Set NetworkDegraded from the members' lost peers, when the gang's answer changes. A
     member that is gone (its device went with it) is neither silent nor missed."""
@@ -700,6 +768,8 @@ def _tick(turn: _Turn) -> None:
     run = turn.run
     if not run.is_over and run.deadline is not None and turn.now > run.deadline:
         _fail(turn, JobState.FAILED, f"timed out after {run.timeout}s (spec.timeout)")
+    if turn.run.hang_fail_at is not None and turn.now >= turn.run.hang_fail_at:
+        _fail_hung(turn)
     if (
         not turn.run.is_over
         and turn.run.published is None

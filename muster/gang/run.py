@@ -80,6 +80,8 @@ class Member:
     unconfirmed: bool = False  # after a controller restart, until its agent's LinkBack
     networked: bool = False  # NET_SETUP was sent: a device of this run may exist on its worker
     net_key: tuple[str, str] | None = None  # (public key, endpoint) from its NET_READY
+    hung: bool = False  # its ranks are silent and idle (HUNG), until it says otherwise
+    ranks: tuple[int, int] | None = None  # its first and last global rank (from HUNG)
     net_up: bool = False  # NET_UP: its device knows every peer
     probing: bool = False  # PROBE_LISTEN was sent: a probe endpoint may be open on its worker
     probe_port: int | None = None  # PROBE_READY: where it listens for its peers' probes
@@ -128,6 +130,10 @@ class GangRun:
     # NetworkDegraded: some running pair lost its direct path (None: not known, after a
     # controller restart, until the agents say their paths again)
     degraded: bool | None = False
+    fail_on_hang: bool = False  # spec.on_hang: "fail"
+    hung: bool = False  # the Hung condition is raised
+    hang_fail_at: float | None = None  # on_hang "fail": fail then, or once the stacks are in
+    hang_message: str = ""  # what the Hung condition said
 
     @classmethod
     def placed(

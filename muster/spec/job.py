@@ -18,6 +18,7 @@ Device = Literal["cpu", "cuda", "mps"]
 Backend = Literal["gloo", "nccl"]
 Membership = Literal["pool", "window"]
 StartMode = Literal["auto", "manual", "hybrid"]
+OnHang = Literal["warn", "fail"]
 DEFAULT_JOIN_TIMEOUT_S = 300
 DEFAULT_MAX_JOIN_TIMEOUT_S = 900
 
@@ -176,6 +177,15 @@ class JobSpec(_Model):
         description="directory (relative to the run dir) exported as MUSTER_OUTPUT_DIR, uploaded",
     )
     timeout: Seconds | None = Field(default=None, description="seconds, or '30m', '2h'")
+    hang_timeout: Seconds | None = Field(
+        default=None,
+        description="when every rank has printed nothing and used no CPU for this long "
+        "(e.g. '10m'), the job gets the condition Hung and its ranks' stacks are captured "
+        "into its events; off by default",
+    )
+    on_hang: OnHang = Field(
+        default="warn", description="'warn': only the condition; 'fail': end the job, failed"
+    )
     priority: int = Field(
         default=0, ge=-INT32, lt=INT32, description="higher is placed first; equal: first come"
     )

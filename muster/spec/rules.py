@@ -67,9 +67,24 @@ def check_job(spec: JobSpec) -> list[FieldError]:
         *_paths(spec),
         *_env(spec),
         *_labels(spec),
+        *_hang(spec),
         *_resources(spec),
         *_distributed(spec),
     ]
+
+
+MIN_HANG_TIMEOUT_S = 10  # under this, a rank that thinks quietly reads as hung
+
+
+def _hang(spec: JobSpec) -> Iterator[FieldError]:
+    if spec.on_hang == "fail" and spec.hang_timeout is None:
+        yield FieldError("on_hang", "'fail' needs hang_timeout (e.g. hang_timeout: 10m)")
+    if spec.hang_timeout is not None and spec.hang_timeout < MIN_HANG_TIMEOUT_S:
+        yield FieldError(
+            "hang_timeout",
+            f"{spec.hang_timeout}s is under {MIN_HANG_TIMEOUT_S}s: a rank that computes "
+            "without printing would read as hung; give at least a few minutes",
+        )
 
 
 def _name(spec: JobSpec) -> Iterator[FieldError]:

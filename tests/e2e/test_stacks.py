@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 
 import pytest
 
 from muster.cli.local import LocalCluster
-from muster.cli.stacks import folded, ranks_label
+from muster.plan.stacks import folded, ranks_label
 from tests.e2e.helpers import all_lines, submit, wait_state, write_job
 from tests.e2e.test_window import muster
 
@@ -79,3 +80,30 @@ def test_folding_puts_the_odd_ranks_first() -> None:
     assert [ranks for ranks, _ in groups] == [[3], [0, 1, 2, 5]]
     assert groups[1][1] == 'Thread (idle): "MainThread"\n    wait (x.py:1)'
     assert ranks_label([0, 1, 2, 5, 7, 8]) == "rank0-2,5,7-8"
+
+
+def test_a_job_that_hangs_is_marked_hung_with_its_stacks_and_failed(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """hang_timeout 10s, on_hang fail: Hung within the timeout and a few seconds of the last
+    line, the folded stacks in the events (rank 3 first), then the job fails saying so."""
+    api = cluster.client()
+    path = write_job(
+        tmp_path / "hung", "hung", HANGS, timeout="5m", hang_timeout=10, on_hang="fail"
+    )
+    job = submit(api, path)
+    final = wait_state(api, job, timeout=120)
+    assert final["state"] == "failed", final["root_cause"]
+    assert final["root_cause"].startswith("hung: epoch 1: every rank printed nothing"), final[
+        "root_cause"
+    ]
+    assert "node0 ranks 0-1, node1 ranks 2-3" in final["root_cause"]
+    conditions = {c["type"]: c for c in final["conditions"]}
+    assert conditions["Hung"]["status"] == "True"
+    events = {e["kind"]: e for e in final["events"]}
+    stacks = events["HungStacks"]["message"]
+    assert stacks.startswith("[rank3]\n"), stacks
+    assert "all_reduce" in stacks.split("[rank0-2]")[1]
+    ready = max(ln["time"] for ln in all_lines(api, job) if ln["text"].endswith("ready"))
+    raised = datetime.fromisoformat(events["Hung"]["time"]).timestamp()
+    assert 10 <= raised - ready <= 10 + 2 + 4, raised - ready  # the timeout, a check, a beat

@@ -363,6 +363,7 @@ def test_fields_kubernetes_drops_are_named_and_the_controllers_env_reaches_the_p
         workdir="src",
         output_dir="ckpt",
         priority=5,
+        hang_timeout="10m",
         distributed={**JOB["distributed"], "rendezvous": {"port": 29500}, "transport": "auto"},
     )
     out = render(parse_job(job), RenderOptions())
@@ -371,6 +372,7 @@ def test_fields_kubernetes_drops_are_named_and_the_controllers_env_reaches_the_p
         "workdir",
         "output_dir",
         "priority",
+        "hang_timeout",
         "distributed.rendezvous.port",
         "distributed.transport",
     ):

@@ -1,0 +1,53 @@
+"""The member's hang clock: silent (no line read) and idle (no CPU) for the whole timeout."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+from muster.agent.hang import IDLE_CPU_SHARE, HangWatch, tree_cpu_seconds
+
+
+def test_silent_and_idle_for_the_timeout_flips_once_and_back() -> None:
+    watch = HangWatch(timeout=60, last_output=0)
+    assert watch.observe(0, 0, 5.0) is None
+    assert watch.observe(30, 0, 5.0) is None
+    assert watch.observe(59, 0, 5.0) is None, "not the whole timeout yet"
+    assert watch.observe(61, 0, 5.0) is True
+    assert watch.observe(63, 0, 5.0) is None, "said once"
+    assert watch.observe(65, 3, 5.0) is False, "a line: active again"
+
+
+def test_a_rank_that_computes_without_printing_is_not_hung() -> None:
+    watch = HangWatch(timeout=60, last_output=0)
+    cpu = 0.0
+    for now in range(0, 200, 2):
+        cpu += 2 * 0.5  # half a core
+        assert watch.observe(now, 0, cpu) is None
+    assert not watch.hung
+    # It stops computing: hung a whole timeout later, not before.
+    flips = [(now, watch.observe(now, 0, cpu)) for now in range(200, 300, 2)]
+    (when,) = [now for now, flip in flips if flip]
+    assert 256 <= when <= 262, when
+
+
+def test_lines_that_cannot_be_read_are_not_silence() -> None:
+    watch = HangWatch(timeout=10, last_output=0)
+    for now in range(0, 40, 2):
+        assert watch.observe(now, -1, 0.0) is None
+    assert IDLE_CPU_SHARE < 0.05
+
+
+def test_tree_cpu_counts_the_children() -> None:
+    code = "import subprocess, sys; subprocess.run([sys.executable, '-c', 'sum(range(10**8))'])"
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        time.sleep(1.5)
+        assert tree_cpu_seconds(proc.pid) > 0.5, "the grandchild's work counts"
+    finally:
+        proc.kill()
+        proc.wait()
+    assert tree_cpu_seconds(os.getpid()) > 0
+    assert tree_cpu_seconds(2**22 + 12345) == 0.0

@@ -1,0 +1,87 @@
+"""Hung: raised once every running member says its ranks are silent and idle, with their
+stacks captured; on_hang "fail" ends the job once they are in (or after a bound); one member
+active again lowers it."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from muster.gang import (
+    CaptureStacks,
+    GangRun,
+    MemberHung,
+    Placed,
+    SendStop,
+    SetCondition,
+    SetJobState,
+    StacksCaptured,
+    Tick,
+    step,
+)
+from muster.gang.lifecycle import HANG_STACKS_WAIT_S
+from muster.spec import JobState, PathClass
+from tests.gang.test_lifecycle import PUBLISHED, STARTED, W, run_through
+
+
+def running(fail_on_hang: bool) -> GangRun:
+    placed = Placed("job1", 1, W, PathClass.PRIVATE, master_addr="10.0.0.1")
+    return run_through((replace(placed, fail_on_hang=fail_on_hang), PUBLISHED, *STARTED))
+
+
+def hung(node: int, yes: bool = True) -> MemberHung:
+    return MemberHung(node, yes, (node * 2, node * 2 + 1), 600)
+
+
+def test_hung_is_raised_when_every_member_is_silent_and_lowered_when_one_speaks() -> None:
+    run = running(fail_on_hang=False)
+    for node in (0, 1):
+        run, actions = step(run, hung(node), 10)
+        assert actions == (), "two of three are silent: not the whole job"
+    run, actions = step(run, hung(2), 10)
+    (condition,) = [a for a in actions if isinstance(a, SetCondition)]
+    assert (condition.type, condition.status, condition.reason) == ("Hung", True, "RanksSilent")
+    assert "node0 ranks 0-1, node1 ranks 2-3, node2 ranks 4-5" in condition.message
+    assert any(isinstance(a, CaptureStacks) for a in actions)
+    assert not any(isinstance(a, SetJobState) for a in actions), "on_hang warn: it goes on"
+    run, actions = step(run, hung(2), 11)
+    assert actions == (), "said twice, raised once"
+    run, actions = step(run, hung(1, yes=False), 12)
+    (lowered,) = [a for a in actions if isinstance(a, SetCondition)]
+    assert (lowered.status, lowered.reason) == (False, "RanksActive")
+    assert "node1 active again" in lowered.message
+    run, actions = step(run, StacksCaptured(), 13)
+    assert run.job_state is JobState.RUNNING
+
+
+def test_on_hang_fail_ends_the_job_once_the_stacks_are_in() -> None:
+    run = running(fail_on_hang=True)
+    for node in (0, 1, 2):
+        run, actions = step(run, hung(node), 100)
+    assert run.job_state is JobState.RUNNING, "not before the stacks are read"
+    assert any(isinstance(a, CaptureStacks) for a in actions)
+    run, actions = step(run, StacksCaptured(), 105)
+    assert run.job_state is JobState.FAILED
+    (failed,) = [a for a in actions if isinstance(a, SetJobState)]
+    assert failed.reason.startswith("hung: epoch 1: every rank printed nothing")
+    assert "\nfix: the stacks in the job's events" in failed.reason
+    assert {a.worker for a in actions if isinstance(a, SendStop)} == set(W)
+
+
+def test_on_hang_fail_does_not_wait_for_stacks_forever() -> None:
+    run = running(fail_on_hang=True)
+    for node in (0, 1, 2):
+        run, _ = step(run, hung(node), 100)
+    run, _ = step(run, Tick(), 100 + HANG_STACKS_WAIT_S - 1)
+    assert run.job_state is JobState.RUNNING
+    run, _ = step(run, Tick(), 100 + HANG_STACKS_WAIT_S)
+    assert run.job_state is JobState.FAILED
+
+
+def test_a_member_active_again_before_the_stacks_are_in_saves_the_job() -> None:
+    run = running(fail_on_hang=True)
+    for node in (0, 1, 2):
+        run, _ = step(run, hung(node), 100)
+    run, _ = step(run, hung(0, yes=False), 101)
+    run, _ = step(run, StacksCaptured(), 102)
+    run, _ = step(run, Tick(), 100 + HANG_STACKS_WAIT_S + 1)
+    assert run.job_state is JobState.RUNNING
