@@ -90,6 +90,32 @@ def check_interface(name: str) -> str:
     return name
 
 
+def bind_problem(interface: str | None, address: str) -> str | None:
+    """Before torchrun starts: the interface the ranks will bind exists and holds the address
+    this node advertises to the gang (what the others will dial). None when all is well."""
+    if not interface:
+        return None
+    present = psutil.net_if_addrs()
+    if interface not in present:
+        return (
+            f"the interface {interface} the ranks would bind (NCCL_SOCKET_IFNAME, "
+            f"GLOO_SOCKET_IFNAME) is not on this host now; it has {', '.join(sorted(present))}. "
+            "Fix: restart the agent with --interface naming one of them"
+        )
+    held = [a.address.split("%")[0] for a in present[interface]]
+    try:
+        wanted = ipaddress.ip_address(address)
+    except ValueError:
+        return None  # a name: resolved by the peers, not checked here
+    if str(wanted) not in held:
+        return (
+            f"the interface {interface} does not hold {address}, the address this node "
+            f"advertises to the gang (it holds {', '.join(held) or 'none'}). Fix: "
+            "--advertise-address or --interface on the agent, so the two agree"
+        )
+    return None
+
+
 def network_caps(
     address: str,
     private_network: str | None,

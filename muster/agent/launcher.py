@@ -24,6 +24,7 @@ import psutil
 
 from muster.agent.capture import Line, RankTailer, line_fields, list_outputs, root_cause
 from muster.agent.hang import CHECK_EVERY_S, HangWatch, tree_cpu_seconds
+from muster.agent.inventory import bind_problem
 from muster.agent.reaper import terminate
 from muster.errors import InfrastructureError
 from muster.net import cgroup
@@ -132,6 +133,15 @@ class MemberRun:
             await self._exited({"exit_code": 143, "signal": "SIGTERM"})
             return
         addressing = self.addressing
+        # The ranks will bind this interface and the others dial this address: a wrong
+        # pair would hang every rank at the rendezvous, so the member fails now, saying so.
+        problem = await asyncio.to_thread(
+            bind_problem, addressing.interfaces[self.node], addressing.addresses[self.node]
+        )
+        if problem:
+            self._launcher_line("stderr", f"muster: {problem}")
+            await self._exited({"exit_code": 127, "tail": list(self.launcher_lines)})
+            return
         argv = torchrun_argv(
             self.spec,
             self.node,
