@@ -234,7 +234,7 @@ class Client:
         params: dict[str, Any] = {"native": "true" if native else "false"}
         if rank is not None:
             params["rank"] = rank
-        result: dict[str, Any] = self._call("GET", f"/v1/jobs/{job_id}/stacks", params=params)
+        result: dict[str, Any] = self._call("POST", f"/v1/jobs/{job_id}/stacks", params=params)
         return result
 
     def logs(

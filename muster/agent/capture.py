@@ -49,6 +49,7 @@ class RankTailer:
     _streams: dict[Path, _Stream] = field(default_factory=dict)
     _seq: dict[int, int] = field(default_factory=dict)
     tails: dict[int, deque[str]] = field(default_factory=dict)
+    bytes_read: int = 0  # every byte the rank files gained, complete lines or not
 
     def _discover(self) -> None:
         for local in range(self.procs):
@@ -71,6 +72,7 @@ class RankTailer:
             if not data and not (final and st.partial):
                 continue
             st.offset += len(data)
+            self.bytes_read += len(data)  # a \r progress bar is output too (hang watch)
             buf = st.partial + data
             cut = len(buf) if final else buf.rfind(b"\n") + 1
             st.partial = buf[cut:]

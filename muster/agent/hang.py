@@ -3,10 +3,15 @@ job's ``hang_timeout``. The agent checks every CHECK_EVERY_S and says HUNG to th
 when the answer changes; the controller raises the job's ``Hung`` condition once every running
 member says so (muster.gang.lifecycle).
 
-"No CPU" is at most IDLE_CPU_SHARE of one core over the window: a rank parked in a gloo
-collective or a sleep uses none, a rank that computes without printing uses plenty. A rank
-whose lines cannot be read (the controller's link is down, so the agent leaves them in the
-files) is never silent.
+"No CPU" is at most IDLE_CPU_SHARE of one core per rank over the window: a rank parked in a
+gloo collective or a sleep uses none, a rank that computes without printing uses plenty. Any
+byte a rank writes (a progress bar's \r included) is output. A rank whose output cannot be
+read (the controller's link is down, so the agent leaves it in the files) is never silent.
+
+Limit: a rank waiting in an NCCL collective usually spins (cudaStreamSynchronize, NCCL's
+proxy thread), so NCCL jobs may never read as idle; `muster stacks` still shows where they
+wait. torch's NCCL watchdog (TORCH_NCCL timeout) ends such a rank on its own, and the failure
+catalogue names it.
 """
 
 from __future__ import annotations
@@ -22,8 +27,8 @@ IDLE_CPU_SHARE = 0.02
 
 def tree_cpu_seconds(pid: int, with_root: bool = True) -> float:
     """User + system CPU seconds of ``pid`` (unless not ``with_root``) and every process
-    under it (0 once gone). The agent leaves torchrun itself out: its monitor loop polls
-    the ranks several times a second, hung or not."""
+    under it, with what their reaped children used (0 once gone). The agent leaves torchrun
+    itself out: its monitor loop polls the ranks several times a second, hung or not."""
     total = 0.0
     try:
         root = psutil.Process(pid)
@@ -35,7 +40,7 @@ def tree_cpu_seconds(pid: int, with_root: bool = True) -> float:
             times = proc.cpu_times()
         except psutil.Error:
             continue
-        total += times.user + times.system
+        total += times.user + times.system + times.children_user + times.children_system
     return total
 
 
@@ -48,20 +53,23 @@ class HangWatch:
     hung: bool = False
     samples: deque[tuple[float, float]] = field(default_factory=deque)  # (time, cpu seconds)
 
-    def observe(self, now: float, lines: int, cpu: float) -> bool | None:
-        """One check: ``lines`` read since the last one (-1: could not read them). Returns
-        True when the member has just become hung, False when it has just stopped, else
-        None."""
-        if lines != 0:
+    def observe(self, now: float, output: int, cpu: float, ranks: int = 1) -> bool | None:
+        """One check: ``output`` bytes the ranks wrote since the last one (-1: they could not
+        be read), ``cpu`` the ranks' CPU seconds so far, ``ranks`` how many there are.
+        Returns True when the member has just become hung, False when it has just stopped,
+        else None."""
+        if output != 0:
             self.last_output = now
+        if self.samples:  # a process that ended took its seconds along: never backwards
+            cpu = max(cpu, self.samples[-1][1])
         self.samples.append((now, cpu))
         # Keep the newest sample at least ``timeout`` old: the base of the CPU window.
         while len(self.samples) > 1 and self.samples[1][0] <= now - self.timeout:
             self.samples.popleft()
         base_time, base_cpu = self.samples[0]
         silent = now - self.last_output >= self.timeout
-        idle = now - base_time >= self.timeout and cpu - base_cpu <= IDLE_CPU_SHARE * (
-            now - base_time
+        idle = now - base_time >= self.timeout and cpu - base_cpu <= (
+            IDLE_CPU_SHARE * max(1, ranks) * (now - base_time)
         )
         hung = silent and idle
         if hung == self.hung:

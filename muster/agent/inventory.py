@@ -90,30 +90,33 @@ def check_interface(name: str) -> str:
     return name
 
 
-def bind_problem(interface: str | None, address: str) -> str | None:
-    """Before torchrun starts: the interface the ranks will bind exists and holds the address
-    this node advertises to the gang (what the others will dial). None when all is well."""
+def bind_problem(interface: str | None, address: str) -> tuple[str | None, str | None]:
+    """Before torchrun starts: (problem, warning). The interface the ranks will bind must
+    exist (else every rank hangs at the rendezvous); that it does not hold the address
+    this node advertises is only worth a warning (a NAT's or elastic address, or a host that
+    advertises one network and binds another, is the operator's choice)."""
     if not interface:
-        return None
+        return None, None
     present = psutil.net_if_addrs()
     if interface not in present:
         return (
             f"the interface {interface} the ranks would bind (NCCL_SOCKET_IFNAME, "
             f"GLOO_SOCKET_IFNAME) is not on this host now; it has {', '.join(sorted(present))}. "
-            "Fix: restart the agent with --interface naming one of them"
+            "Fix: restart the agent with --interface naming one of them",
+            None,
         )
     held = [a.address.split("%")[0] for a in present[interface]]
     try:
-        wanted = ipaddress.ip_address(address)
+        wanted = str(ipaddress.ip_address(address.split("%")[0]))
     except ValueError:
-        return None  # a name: resolved by the peers, not checked here
-    if str(wanted) not in held:
-        return (
+        return None, None  # a name: resolved by the peers, not checked here
+    if wanted not in held:
+        return None, (
             f"the interface {interface} does not hold {address}, the address this node "
-            f"advertises to the gang (it holds {', '.join(held) or 'none'}). Fix: "
-            "--advertise-address or --interface on the agent, so the two agree"
+            f"advertises to the gang (it holds {', '.join(held) or 'none'}): the other "
+            "nodes must reach this one there"
         )
-    return None
+    return None, None
 
 
 def network_caps(

@@ -106,6 +106,8 @@ class MemberRun:
         # again on every new link until it does (REPORT_ACK), so none is lost in flight.
         self.unacked: dict[Kind, dict[str, Any]] = {}
         self.finished = False  # run() has returned: no process of the member is left
+        self.hung_report: dict[str, Any] | None = None  # the HUNG it said, while it holds
+        self._tasks: set[asyncio.Future[object]] = set()
         # The cgroup torchrun starts in (set by the agent for a gang across hosts): the
         # firewall tells the ranks' sockets by it (muster.net.cgroup).
         self.group: RankGroup | None = None
@@ -135,9 +137,11 @@ class MemberRun:
         addressing = self.addressing
         # The ranks will bind this interface and the others dial this address: a wrong
         # pair would hang every rank at the rendezvous, so the member fails now, saying so.
-        problem = await asyncio.to_thread(
+        problem, warning = await asyncio.to_thread(
             bind_problem, addressing.interfaces[self.node], addressing.addresses[self.node]
         )
+        if warning:
+            self._launcher_line("stderr", f"muster: warning: {warning}")
         if problem:
             self._launcher_line("stderr", f"muster: {problem}")
             await self._exited({"exit_code": 127, "tail": list(self.launcher_lines)})
@@ -191,15 +195,17 @@ class MemberRun:
         watch = None
         if self.spec.hang_timeout:
             watch = HangWatch(float(self.spec.hang_timeout), time.monotonic())
-        read, next_check = 0, time.monotonic() + CHECK_EVERY_S
+        seen, unread, next_check = 0, False, time.monotonic() + CHECK_EVERY_S
         while not wait.done():
             if self.may_read():  # else the lines wait in the rank files on disk
-                read += tailer.poll()
+                tailer.poll()
             else:
-                read = -1  # not reading is not silence
+                unread = True  # not reading is not silence
             if watch is not None and time.monotonic() >= next_check:
-                await self._check_hang(watch, read, ranks)
-                read, next_check = 0, time.monotonic() + CHECK_EVERY_S
+                output = -1 if unread else tailer.bytes_read - seen
+                await self._check_hang(watch, output, ranks)
+                seen, unread = tailer.bytes_read, False
+                next_check = time.monotonic() + CHECK_EVERY_S
             await asyncio.wait([wait], timeout=POLL_S)
         # torchrun is gone; a rank it left behind (torchrun killed by the OOM killer, say)
         # still holds its GPU: end the rest of its process group before reporting the exit.
@@ -210,12 +216,13 @@ class MemberRun:
         await self._report_exit(self.proc.returncode or 0, tailer)
         await self._upload(out_dir)
 
-    async def _check_hang(self, watch: HangWatch, read: int, ranks: range) -> None:
-        """HUNG to the controller when this member turns silent and idle, or stops being."""
+    async def _check_hang(self, watch: HangWatch, output: int, ranks: range) -> None:
+        """HUNG to the controller when this member turns silent and idle, or stops being
+        (kept, and sent again on every new link, while it holds)."""
         assert self.proc is not None
         cpu = await asyncio.to_thread(tree_cpu_seconds, self.proc.pid, False)
         now = time.monotonic()
-        flipped = watch.observe(now, read, cpu)
+        flipped = watch.observe(now, output, cpu, len(ranks))
         if flipped is None:
             return
         silent = round(watch.silent_for(now))
@@ -227,7 +234,8 @@ class MemberRun:
             f"printed nothing and used no CPU for {silent}s" if flipped else "are active again",
         )
         body = {"hung": flipped, "ranks": [ranks.start, ranks.stop - 1], "silent_s": silent}
-        await self.send(Kind.HUNG, {**self.ids(), **body})
+        self.hung_report = {**self.ids(), **body} if flipped else None
+        self._in_background(self.send(Kind.HUNG, {**self.ids(), **body}))
 
     async def _reaper(self, pid: int) -> None:
         """Start the watchdog a moment after torchrun, so the two do not compete for the CPU
@@ -279,9 +287,17 @@ class MemberRun:
         await self.send(kind, body)
 
     async def resend(self) -> None:
-        """On a new link: the reports not acked yet, in their order."""
+        """On a new link: the reports not acked yet, in their order; and that its ranks are
+        hung, if they are (a restarted controller knows nothing of it)."""
         for kind, body in list(self.unacked.items()):
             await self.send(kind, body)
+        if self.hung_report is not None:
+            await self.send(Kind.HUNG, self.hung_report)
+
+    def _in_background(self, work: Awaitable[object]) -> None:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def acked(self, kind: Kind) -> None:
         self.unacked.pop(kind, None)

@@ -20,7 +20,9 @@ from pathlib import Path
 
 import psutil
 
-STACKS_AT_ONCE = 8
+STACKS_AT_ONCE = 8  # py-spy processes at once on this agent, whatever the requests
+RANK_TEXT_MAX = 64 * 1024  # of one rank's dump (the head: each thread's innermost frames first)
+ANSWER_MAX = 2 * 1024 * 1024  # of one STACKS_DONE's texts together: well under any frame cap
 PYSPY_HINT = "py-spy is not installed next to the agent: pip install 'muster[stacks]'"
 
 
@@ -30,9 +32,14 @@ def py_spy() -> str | None:
     return str(beside) if beside.is_file() else shutil.which("py-spy")
 
 
-def rank_processes(torchrun_pid: int) -> dict[int, int]:
-    """{global rank: pid} of the ranks under torchrun (the topmost process with RANK)."""
-    found: dict[int, int] = {}
+_gate: asyncio.Semaphore | None = None
+_dumping: dict[tuple[int, float], asyncio.Future[str]] = {}  # one dump of a process at a time
+
+
+def rank_processes(torchrun_pid: int) -> dict[int, tuple[int, float]]:
+    """{global rank: (pid, start time)} of the ranks under torchrun (the topmost process with
+    RANK; a rank's dataloader workers inherit it)."""
+    found: dict[int, tuple[int, float]] = {}
     try:
         children = psutil.Process(torchrun_pid).children(recursive=True)
     except psutil.Error:
@@ -45,8 +52,17 @@ def rank_processes(torchrun_pid: int) -> dict[int, int]:
         except psutil.Error:
             continue
         if rank is not None and rank.isdigit() and parent_rank != rank:
-            found.setdefault(int(rank), child.pid)
+            with contextlib.suppress(psutil.Error):
+                found.setdefault(int(rank), (child.pid, child.create_time()))
     return found
+
+
+def _same_process(pid: int, started: float) -> bool:
+    """The pid is still the rank it was (not a new process given its number)."""
+    try:
+        return psutil.Process(pid).create_time() == started
+    except psutil.Error:
+        return False
 
 
 async def dump(pid: int, native: bool, timeout: float) -> str:
@@ -77,15 +93,40 @@ async def dump(pid: int, native: bool, timeout: float) -> str:
 async def dump_ranks(
     torchrun_pid: int, ranks: list[int] | None, native: bool, timeout: float
 ) -> dict[int, str]:
-    """{rank: stacks} for this member's ranks (only ``ranks`` when given)."""
-    pids = await asyncio.to_thread(rank_processes, torchrun_pid)
+    """{rank: stacks} for this member's ranks (only ``ranks`` when given): at most
+    STACKS_AT_ONCE py-spy at once on this agent, one dump of a process at a time (a second
+    request shares it: two py-spy cannot pause one process together), each text capped."""
+    global _gate
+    if _gate is None:
+        _gate = asyncio.Semaphore(STACKS_AT_ONCE)
+    gate = _gate
+    found = await asyncio.to_thread(rank_processes, torchrun_pid)
     if ranks is not None:
-        pids = {r: p for r, p in pids.items() if r in ranks}
-    gate = asyncio.Semaphore(STACKS_AT_ONCE)
+        found = {r: p for r, p in found.items() if r in ranks}
 
-    async def one(pid: int) -> str:
+    async def run(pid: int, started: float) -> str:
         async with gate:
+            if not await asyncio.to_thread(_same_process, pid, started):
+                return "error: the rank ended before its stack was read"
             return await dump(pid, native, timeout)
 
-    texts = await asyncio.gather(*(one(pid) for pid in pids.values()))
-    return dict(zip(pids, texts, strict=True))
+    async def one(pid: int, started: float) -> str:
+        key = (pid, started)
+        shared = _dumping.get(key)
+        if shared is None:
+            shared = asyncio.ensure_future(run(pid, started))
+            _dumping[key] = shared
+            shared.add_done_callback(lambda _f: _dumping.pop(key, None))
+        return await asyncio.shield(shared)
+
+    texts = await asyncio.gather(*(one(pid, started) for pid, started in found.values()))
+    answer: dict[int, str] = {}
+    room = ANSWER_MAX
+    for rank, text in zip(found, texts, strict=True):
+        if len(text) > RANK_TEXT_MAX:
+            text = text[:RANK_TEXT_MAX] + "\n... (cut)"
+        if len(text) > room:
+            text = "error: the answer is full (ask for this rank with --rank)"
+        room -= len(text)
+        answer[rank] = text
+    return answer

@@ -176,7 +176,7 @@ async def window(job_id: str, request: Request) -> dict[str, Any]:
     return await controller(request).window_view(job_id)
 
 
-@users.get("/jobs/{job_id}/stacks")
+@users.post("/jobs/{job_id}/stacks")
 async def stacks(
     job_id: str,
     request: Request,
@@ -185,7 +185,8 @@ async def stacks(
 ) -> dict[str, Any]:
     """Every running rank's Python stack (py-spy on each agent), or one rank's: ``stacks``
     [{rank, node, text}], ``errors`` per node, ``missing`` (nodes that did not answer in
-    time). The job goes on; each dump is bounded."""
+    time). The job goes on; each dump is bounded. A POST: py-spy pauses each rank for a
+    moment, so a page on another site must not be able to make a browser ask for it."""
     return await controller(request).stacks.collect(job_id, rank, native)
 
 

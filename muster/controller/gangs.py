@@ -234,7 +234,7 @@ class Controller:
             elif isinstance(action, KeepApart):
                 self._keep_apart(job, action.path, action.pairs)
             elif isinstance(action, CaptureStacks):
-                self.stacks.capture_later(job)
+                self.stacks.capture_later(job, action.episode)
             elif isinstance(action, SetCondition):
                 writes.append(
                     ConditionWrite(job, action.type, action.status, action.reason, action.message)
@@ -589,6 +589,7 @@ class Controller:
                     master_addr=planned.master_addr,
                     probe_seconds=_probe_seconds(spec, entry.inventories),
                     fail_on_hang=spec.on_hang == "fail",
+                    hang_timeout=spec.hang_timeout,
                 ),
             )
         except Exception as exc:  # one gang's trouble does not strand the others

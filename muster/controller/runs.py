@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import hmac
 import secrets
@@ -105,6 +106,10 @@ def rebuild_run(rec: RunRecord, inventories: dict[str, WorkerInventory]) -> RunE
         published=published,
         timeout=spec.timeout or None,
         deadline=created + spec.timeout if spec.timeout else None,
+    )
+    # The hang watch's settings (its state comes back with the agents' HUNG reports).
+    gang = dataclasses.replace(
+        gang, fail_on_hang=spec.on_hang == "fail", hang_timeout=spec.hang_timeout
     )
     entry = RunEntry(gang, spec, members, rec.job.bundle_sha256, mesh=mesh)
     if published is not None:

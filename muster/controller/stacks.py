@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("muster.controller")
 RANK_TIMEOUT_S = 10.0  # what each agent gets per rank's dump
+CAPTURE_BUDGET_S = 25.0  # a Hung capture's whole wait (the gang fails at 30 s regardless)
+EVENT_MAX_CHARS = 256 * 1024  # of a HungStacks event
 STACKS_AT_ONCE = 8  # dumps an agent runs at once (muster.agent.stacks)
 ANSWER_SLACK_S = 5.0  # on top of it, for the frames
 
@@ -34,6 +36,7 @@ ANSWER_SLACK_S = 5.0  # on top of it, for the frames
 class _Request:
     job: str
     workers: dict[str, int]  # worker id -> node rank asked
+    plan: Any
     answers: dict[int, dict[str, Any]] = field(default_factory=dict)
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -44,7 +47,9 @@ class StackDesk:
         self.open: dict[str, _Request] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
-    async def collect(self, job_id: str, rank: int | None, native: bool) -> dict[str, Any]:
+    async def collect(
+        self, job_id: str, rank: int | None, native: bool, budget: float | None = None
+    ) -> dict[str, Any]:
         await self.c.db(self.c.store.job, job_id)  # 404 for a job that does not exist
         entry = self.c.runs.get(job_id)
         running = (
@@ -64,14 +69,16 @@ class StackDesk:
             ranks = [rank]
             if not running:
                 raise BadRequest(f"rank {rank} of job {job_id} is not running now")
-        request = _Request(job_id, {m.worker: m.node for m in running})
+        linked = [m for m in running if m.worker in self.c.links]
+        request = _Request(job_id, {m.worker: m.node for m in linked}, plan)
+        unlinked = sorted(m.node for m in running if m.worker not in self.c.links)
         token = secrets.token_hex(8)
         self.open[token] = request
+        if not linked:
+            request.done.set()
         try:
-            for member in running:
-                link = self.c.links.get(member.worker)
-                if link is None:
-                    continue
+            for member in linked:
+                link = self.c.links[member.worker]
                 await link.send(
                     Kind.STACKS,
                     {
@@ -86,31 +93,40 @@ class StackDesk:
                 )
             most = max(len(n.ranks) for n in plan.nodes)  # one agent dumps 8 at once
             per_agent = RANK_TIMEOUT_S * -(-(1 if ranks else most) // STACKS_AT_ONCE)
-            await asyncio.wait_for(request.done.wait(), per_agent + ANSWER_SLACK_S)
+            wait = per_agent + ANSWER_SLACK_S
+            await asyncio.wait_for(request.done.wait(), min(wait, budget or wait))
         except TimeoutError:
             pass
         finally:
             self.open.pop(token, None)
-        stacks = []
+        stacks: list[tuple[int, int, str]] = []
         errors = []
         for node, answer in sorted(request.answers.items()):
             if answer.get("error"):
-                errors.append({"node": node, "error": str(answer["error"])})
-            for key, text in sorted((answer.get("stacks") or {}).items(), key=lambda i: int(i[0])):
-                stacks.append({"rank": int(key), "node": node, "text": str(text)})
-        missing = sorted(set(request.workers.values()) - set(request.answers))
-        return {"job": job_id, "stacks": stacks, "errors": errors, "missing": missing}
+                errors.append({"node": node, "error": str(answer["error"])[:1000]})
+            found = answer.get("stacks")
+            own = plan.nodes[node].ranks
+            for key, text in sorted((found if isinstance(found, dict) else {}).items()):
+                if str(key).isdigit() and int(key) in own:  # its own ranks only
+                    stacks.append((int(key), node, str(text)))
+        missing = sorted({*unlinked, *(set(request.workers.values()) - set(request.answers))})
+        return {
+            "job": job_id,
+            "stacks": [{"rank": r, "node": n, "text": t} for r, n, t in sorted(stacks)],
+            "errors": errors,
+            "missing": missing,
+        }
 
-    def capture_later(self, job_id: str) -> None:
+    def capture_later(self, job_id: str, episode: int) -> None:
         """The stacks of every running rank into the job's events (HungStacks), then the
         gang hears StacksCaptured: a task of its own, never under the controller's lock."""
-        task = asyncio.create_task(self._capture(job_id))
+        task = asyncio.create_task(self._capture(job_id, episode))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _capture(self, job_id: str) -> None:
+    async def _capture(self, job_id: str, episode: int) -> None:
         try:
-            answer = await self.collect(job_id, None, False)
+            answer = await self.collect(job_id, None, False, budget=CAPTURE_BUDGET_S)
             text = folded_text(answer["stacks"]) or "no stack could be read"
             problems = [f"node{e['node']}: {e['error']}" for e in answer["errors"]]
             problems += [f"node{n}: no answer in time" for n in answer["missing"]]
@@ -118,8 +134,10 @@ class StackDesk:
         except Exception as exc:  # the gang still hears that the capture is over
             log.warning("job %s: reading the stacks of a hung job failed: %s", job_id, exc)
             message = f"the stacks could not be read: {exc}"
+        if len(message) > EVENT_MAX_CHARS:
+            message = message[:EVENT_MAX_CHARS] + "\n... (cut: `muster stacks JOB` for all)"
         self.c.writer.submit([EventWrite("HungStacks", message, job_id)])
-        await self.c.step_job(job_id, StacksCaptured())
+        await self.c.step_job(job_id, StacksCaptured(episode))
 
     def reply(self, worker: str, body: dict[str, Any]) -> None:
         """A STACKS_DONE: kept only from the worker the open request went to."""

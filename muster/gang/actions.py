@@ -111,9 +111,11 @@ class SetMemberState:
 
 @dataclass(frozen=True)
 class CaptureStacks:
-    """Read every running rank's stack (py-spy on the agents) into the job's events."""
+    """Read every running rank's stack (py-spy on the agents) into the job's events, then
+    step StacksCaptured(episode)."""
 
     reason: str
+    episode: int = 0
 
 
 @dataclass(frozen=True)

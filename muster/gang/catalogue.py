@@ -146,7 +146,11 @@ def classify(tail: Sequence[str], signal: str | None = None) -> Diagnosis | None
     """The catalogue entry the failure matches: the newest line that any entry matches
     decides (the first entry in table order, on that line); a SIGKILL with no such line
     is the OOM killer's mark. None when nothing is known."""
-    for line in reversed(tail):
+    # A Python failure ends with its traceback: read from the last one on, so an error the
+    # program caught and logged earlier (an OOM a batch-size finder retried) is not taken
+    # for the one that ended it.
+    starts = [i for i, line in enumerate(tail) if line.startswith("Traceback (most recent")]
+    for line in reversed(tail[starts[-1] :] if starts else tail):
         for entry in CATALOGUE:
             found = entry.pattern.search(line)
             if found is not None:

@@ -25,6 +25,7 @@ class Placed:
     master_addr: str | None = None  # the address planned for node 0, passed on in PREPARE
     probe_seconds: float | None = None  # the probe's throughput sample; None: no probe
     fail_on_hang: bool = False  # spec.on_hang == "fail"
+    hang_timeout: int | None = None  # spec.hang_timeout (for the Hung condition's message)
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,10 @@ class MemberHung:
 
 @dataclass(frozen=True)
 class StacksCaptured:
-    """The stacks CaptureStacks asked for are in the job's events (or could not be read)."""
+    """The stacks CaptureStacks asked for (in hang ``episode``) are in the job's events, or
+    could not be read."""
+
+    episode: int = 0
 
 
 @dataclass(frozen=True)

@@ -106,7 +106,7 @@ def step(run: GangRun, event: Event, now: float) -> tuple[GangRun, tuple[Action,
     elif isinstance(event, MemberHung):
         _member_hung(turn, event)
     elif isinstance(event, StacksCaptured):
-        _fail_hung(turn)
+        _fail_hung(turn, event.episode)
     elif isinstance(event, PortPublished):
         _port_published(turn, event)
     elif isinstance(event, MemberStarted):
@@ -126,6 +126,8 @@ def step(run: GangRun, event: Event, now: float) -> tuple[GangRun, tuple[Action,
             _fail(turn, JobState.CANCELLED, event.reason)
     elif isinstance(event, ControllerRestarted):
         _restarted(turn, event)
+    if turn.run.hang_timeout is not None:
+        _hung(turn)  # a member that started, ended or came back changes who is silent
     return turn.run, tuple(turn.actions)
 
 
@@ -192,6 +194,7 @@ def _placed(turn: _Turn, event: Placed) -> None:
         rendezvous_deadline=turn.now + RENDEZVOUS_TIMEOUT_S,
         probe_seconds=event.probe_seconds if len(event.workers) > 1 else None,
         fail_on_hang=event.fail_on_hang,
+        hang_timeout=event.hang_timeout,
     )
     if event.path is PathClass.DIRECT and len(event.workers) > 1:
         # The gang's own network first: every member makes a key and a device; the keys
@@ -471,22 +474,24 @@ HANG_FIX = (
 
 
 def _member_hung(turn: _Turn, event: MemberHung) -> None:
-    """HUNG from a running member. Hung is raised once every running member is silent and
-    idle (naming their ranks; the stacks are captured at that moment), and with on_hang
-    "fail" the job ends failed; it is lowered when one is active again."""
+    """HUNG from a member (its own, of this epoch: the controller maps it). Whether the job
+    is Hung is decided after every event, in ``_hung``."""
     member = turn.member(event.node)
     if member is None or turn.run.is_over or not member.started or member.gone:
         return
-    if member.hung == event.hung and member.ranks == event.ranks:
-        return
-    turn.update(member.node, hung=event.hung, ranks=event.ranks)
-    _hung(turn, event.silent_s)
+    if member.hung != event.hung or member.ranks != event.ranks:
+        turn.update(member.node, hung=event.hung, ranks=event.ranks)
 
 
-def _hung(turn: _Turn, silent_s: int = 0) -> None:
+def _hung(turn: _Turn) -> None:
+    """Hung is raised once the job runs and every member still running is silent and idle
+    (naming their ranks; the stacks are captured at that moment; on_hang "fail" fails the
+    job once they are in), and lowered when one is not."""
     run = turn.run
-    running = [m for m in run.members if m.started and not m.gone]
-    every = bool(running) and all(m.hung for m in running)
+    if run.is_over:
+        return
+    running = [m for m in run.members if not m.gone]
+    every = run.job_state is JobState.RUNNING and bool(running) and all(m.hung for m in running)
     if every and not run.hung:
         ranks = ", ".join(
             f"node{m.node} ranks {m.ranks[0]}-{m.ranks[1]}" if m.ranks else f"node{m.node}"
@@ -494,20 +499,23 @@ def _hung(turn: _Turn, silent_s: int = 0) -> None:
         )
         message = (
             f"epoch {run.epoch}: every rank printed nothing and used no CPU for "
-            f"{silent_s}s or more (hang_timeout): {ranks}"
+            f"{run.hang_timeout}s (hang_timeout): {ranks}"
         )
+        episode = run.hang_episode + 1
         turn.emit(
             SetCondition("Hung", True, "RanksSilent", message),
             RecordEvent("Hung", message, {"epoch": run.epoch, "nodes": [m.node for m in running]}),
-            CaptureStacks(message),
+            CaptureStacks(message, episode),
         )
-        turn.run = replace(turn.run, hung=True, hang_message=message)
+        turn.run = replace(turn.run, hung=True, hang_message=message, hang_episode=episode)
         if run.fail_on_hang:  # once the stacks are in (or after a bound): they need the ranks
             turn.run = replace(turn.run, hang_fail_at=turn.now + HANG_STACKS_WAIT_S)
     elif not every and run.hung:
         active = [m for m in running if not m.hung]
-        message = (
-            f"epoch {run.epoch}: " + ", ".join(f"node{m.node}" for m in active) + (" active again")
+        message = f"epoch {run.epoch}: " + (
+            ", ".join(f"node{m.node}" for m in active) + " active again"
+            if active
+            else "the silent members ended"
         )
         turn.emit(
             SetCondition("Hung", False, "RanksActive", message),
@@ -516,10 +524,15 @@ def _hung(turn: _Turn, silent_s: int = 0) -> None:
         turn.run = replace(turn.run, hung=False, hang_fail_at=None)
 
 
-def _fail_hung(turn: _Turn) -> None:
-    """on_hang "fail": the job ends failed, its stacks captured (or their wait over)."""
-    if turn.run.hang_fail_at is not None and not turn.run.is_over:
-        _fail(turn, JobState.FAILED, f"hung: {turn.run.hang_message}\n{HANG_FIX}")
+def _fail_hung(turn: _Turn, episode: int | None = None) -> None:
+    """on_hang "fail": the job ends failed once this episode's stacks are in, or their wait
+    is over (``episode`` None: the clock)."""
+    run = turn.run
+    if run.hang_fail_at is None or run.is_over:
+        return
+    if episode is not None and episode != run.hang_episode:
+        return  # a capture of an earlier episode
+    _fail(turn, JobState.FAILED, f"hung: {run.hang_message}\n{HANG_FIX}")
 
 
 def _degraded(turn: _Turn, node: int) -> None:

@@ -131,7 +131,9 @@ class GangRun:
     # controller restart, until the agents say their paths again)
     degraded: bool | None = False
     fail_on_hang: bool = False  # spec.on_hang: "fail"
+    hang_timeout: int | None = None  # spec.hang_timeout
     hung: bool = False  # the Hung condition is raised
+    hang_episode: int = 0  # how many times it was raised (a late capture is told apart)
     hang_fail_at: float | None = None  # on_hang "fail": fail then, or once the stacks are in
     hang_message: str = ""  # what the Hung condition said
 

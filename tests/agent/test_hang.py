@@ -58,14 +58,17 @@ def test_tree_cpu_counts_the_children() -> None:
 def test_before_the_command_the_interface_must_exist_and_hold_the_address() -> None:
     from muster.agent.inventory import bind_problem
 
-    assert bind_problem("lo", "127.0.0.1") is None
-    assert bind_problem(None, "10.0.0.1") is None, "nothing pinned: nothing to check"
-    gone = bind_problem("nosuch0", "10.0.0.1")
+    assert bind_problem("lo", "127.0.0.1") == (None, None)
+    assert bind_problem(None, "10.0.0.1") == (None, None), "nothing pinned: nothing to check"
+    gone, _ = bind_problem("nosuch0", "10.0.0.1")
     assert gone is not None
     assert "nosuch0" in gone
     assert "lo" in gone
     assert "--interface" in gone
-    elsewhere = bind_problem("lo", "10.254.254.254")
-    assert elsewhere is not None
-    assert "does not hold 10.254.254.254" in elsewhere
-    assert "127.0.0.1" in elsewhere
+    # An address the interface does not hold (a NAT's): a warning, not a failure.
+    problem, warning = bind_problem("lo", "10.254.254.254")
+    assert problem is None
+    assert warning is not None
+    assert "does not hold 10.254.254.254" in warning
+    assert "127.0.0.1" in warning
+    assert bind_problem("lo", "::1") == (None, None)

@@ -28,7 +28,7 @@ RIGHTS = {
     ("POST", "/v1/jobs/{job_id}/start"): "user",
     ("GET", "/v1/jobs/{job_id}/window"): "user",
     ("GET", "/v1/jobs/{job_id}/logs"): "user",
-    ("GET", "/v1/jobs/{job_id}/stacks"): "user",
+    ("POST", "/v1/jobs/{job_id}/stacks"): "user",
     ("POST", "/v1/bundles"): "user",
     ("GET", "/v1/bundles/{sha256}"): "agent",
     ("PUT", "/v1/jobs/{job_id}/artifacts/{node_rank}/{rel}"): "agent",

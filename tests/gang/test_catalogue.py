@@ -104,3 +104,9 @@ def test_a_silent_sigkill_is_the_oom_killers_mark() -> None:
     # A SIGKILL after a known error is that error.
     line, _ = SAMPLES["CUDA out of memory"]
     assert classify([line], "SIGKILL").name == "CUDA out of memory"  # type: ignore[union-attr]
+
+
+def test_an_error_caught_before_the_last_traceback_is_not_the_cause() -> None:
+    oom, _ = SAMPLES["CUDA out of memory"]
+    tail = [TRACE, oom, "batch 64 too big, retrying with 32", TRACE, "ValueError: my bug"]
+    assert classify(tail) is None

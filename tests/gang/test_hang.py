@@ -9,6 +9,7 @@ from dataclasses import replace
 from muster.gang import (
     CaptureStacks,
     GangRun,
+    MemberExited,
     MemberHung,
     Placed,
     SendStop,
@@ -22,10 +23,11 @@ from muster.gang.lifecycle import HANG_STACKS_WAIT_S
 from muster.spec import JobState, PathClass
 from tests.gang.test_lifecycle import PUBLISHED, STARTED, W, run_through
 
+PLACED = Placed("job1", 1, W, PathClass.PRIVATE, master_addr="10.0.0.1", hang_timeout=600)
+
 
 def running(fail_on_hang: bool) -> GangRun:
-    placed = Placed("job1", 1, W, PathClass.PRIVATE, master_addr="10.0.0.1")
-    return run_through((replace(placed, fail_on_hang=fail_on_hang), PUBLISHED, *STARTED))
+    return run_through((replace(PLACED, fail_on_hang=fail_on_hang), PUBLISHED, *STARTED))
 
 
 def hung(node: int, yes: bool = True) -> MemberHung:
@@ -41,6 +43,7 @@ def test_hung_is_raised_when_every_member_is_silent_and_lowered_when_one_speaks(
     (condition,) = [a for a in actions if isinstance(a, SetCondition)]
     assert (condition.type, condition.status, condition.reason) == ("Hung", True, "RanksSilent")
     assert "node0 ranks 0-1, node1 ranks 2-3, node2 ranks 4-5" in condition.message
+    assert "for 600s (hang_timeout)" in condition.message
     assert any(isinstance(a, CaptureStacks) for a in actions)
     assert not any(isinstance(a, SetJobState) for a in actions), "on_hang warn: it goes on"
     run, actions = step(run, hung(2), 11)
@@ -49,7 +52,7 @@ def test_hung_is_raised_when_every_member_is_silent_and_lowered_when_one_speaks(
     (lowered,) = [a for a in actions if isinstance(a, SetCondition)]
     assert (lowered.status, lowered.reason) == (False, "RanksActive")
     assert "node1 active again" in lowered.message
-    run, actions = step(run, StacksCaptured(), 13)
+    run, actions = step(run, StacksCaptured(1), 13)
     assert run.job_state is JobState.RUNNING
 
 
@@ -59,7 +62,7 @@ def test_on_hang_fail_ends_the_job_once_the_stacks_are_in() -> None:
         run, actions = step(run, hung(node), 100)
     assert run.job_state is JobState.RUNNING, "not before the stacks are read"
     assert any(isinstance(a, CaptureStacks) for a in actions)
-    run, actions = step(run, StacksCaptured(), 105)
+    run, actions = step(run, StacksCaptured(1), 105)
     assert run.job_state is JobState.FAILED
     (failed,) = [a for a in actions if isinstance(a, SetJobState)]
     assert failed.reason.startswith("hung: epoch 1: every rank printed nothing")
@@ -82,6 +85,39 @@ def test_a_member_active_again_before_the_stacks_are_in_saves_the_job() -> None:
     for node in (0, 1, 2):
         run, _ = step(run, hung(node), 100)
     run, _ = step(run, hung(0, yes=False), 101)
-    run, _ = step(run, StacksCaptured(), 102)
+    run, _ = step(run, StacksCaptured(1), 102)
     run, _ = step(run, Tick(), 100 + HANG_STACKS_WAIT_S + 1)
     assert run.job_state is JobState.RUNNING
+
+
+def test_a_member_that_ends_while_the_rest_wait_leaves_a_hung_job() -> None:
+    """One node finished (exit 0); the others wait in a collective for it for ever."""
+    run = running(fail_on_hang=False)
+    for node in (0, 1):
+        run, actions = step(run, hung(node), 10)
+        assert not any(isinstance(a, CaptureStacks) for a in actions)
+    run, actions = step(run, MemberExited(2, 0), 11)
+    assert any(isinstance(a, CaptureStacks) for a in actions), actions
+    assert run.hung
+
+
+def test_no_hung_before_every_member_runs() -> None:
+    """Node 0's torchrun waits in the rendezvous, silent and idle, while the others still
+    prepare: not a hang."""
+    run = run_through((PLACED, PUBLISHED, STARTED[0]))
+    run, actions = step(run, hung(0), 700)
+    assert not run.hung
+    assert not any(isinstance(a, CaptureStacks) for a in actions)
+
+
+def test_a_late_capture_of_an_earlier_episode_fails_nothing() -> None:
+    run = running(fail_on_hang=True)
+    for node in (0, 1, 2):
+        run, _ = step(run, hung(node), 100)
+    run, _ = step(run, hung(0, yes=False), 101)  # episode 1 over
+    run, _ = step(run, hung(0), 102)  # episode 2
+    assert run.hang_episode == 2
+    run, _ = step(run, StacksCaptured(1), 103)
+    assert run.job_state is JobState.RUNNING
+    run, _ = step(run, StacksCaptured(2), 104)
+    assert run.job_state is JobState.FAILED
