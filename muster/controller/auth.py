@@ -13,7 +13,9 @@
                     window with               offer itself to JOB's window (then run its part);
                     open_admission            see muster.wire and Controller.open_to
 
-On loopback without TLS the user routes are open (one machine, one user: the demo);
+On loopback without TLS the user routes are open (one machine, one user: the demo), to this
+machine's own processes: a call whose Host is not a loopback name (DNS rebinding) or whose
+Origin is another site (a web page in the user's browser) is refused (``open_refusal``);
 whenever TLS is on or the bind is off loopback they want the API token. The dashboard's
 login (muster.controller.dashboard) checks the API token once and sets a session cookie,
 signed with it, that stands for the token on user routes for 12 hours: alone on GET, and
@@ -33,6 +35,7 @@ import hmac
 import secrets
 import time
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from fastapi import Request
 
@@ -126,7 +129,7 @@ class Guard:
         """Whether a dashboard page may be shown: what a user GET route would let through."""
         scheme, value = self._parse(request)
         if not self.users_need_token:
-            return True
+            return open_refusal(request) is None
         if scheme == "bearer" and same_secret(value, self.creds.api_token):
             return True
         return self.has_session(request)
@@ -137,6 +140,9 @@ class Guard:
         if scheme == "bearer" and same_secret(value, self.creds.api_token):
             return
         if not self.users_need_token:
+            refused = open_refusal(request)
+            if refused is not None:
+                raise Forbidden(refused)
             return
         if not value and self.has_session(request):
             if request.method in SAFE_METHODS or request.headers.get(UI_HEADER) == "1":
@@ -164,6 +170,34 @@ class Guard:
         ):
             raise Forbidden("this route is for agents, with the ticket of their live link")
         raise Unauthorized("send Authorization: Ticket <ticket of the agent's live link>")
+
+
+LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
+def open_refusal(request: Request) -> str | None:
+    """Why a call without a token is refused even on an open loopback controller, or None.
+
+    Open means this machine's own processes, not every web page its browser opens: a page
+    elsewhere can post to 127.0.0.1 (its Origin then names its own site), or rebind a name
+    of its own to 127.0.0.1 (the Host then names it). Either would run code on the agents.
+    """
+    host = request.url.hostname or ""
+    if host not in LOOPBACK_NAMES:
+        return (
+            f"Host {host!r}: a controller open on loopback answers only to 127.0.0.1, "
+            f"localhost or [::1] without a token; {API_HINT}"
+        )
+    origin = request.headers.get("origin")
+    if origin is None:
+        return None
+    seen = urlsplit(origin)
+    if origin == "null" or seen.hostname not in LOOPBACK_NAMES or seen.port != request.url.port:
+        return (
+            f"Origin {origin!r}: a page from another site may not call this controller; "
+            f"{API_HINT}"
+        )
+    return None
 
 
 def guard(request: Request) -> Guard:

@@ -49,7 +49,8 @@ def store(tmp_path: Path) -> Iterator[Store]:
 
 def serve(store: Store, tmp_path: Path, *, tls: bool) -> TestClient:
     config = ControllerConfig(store=store, artifacts=tmp_path / "artifacts", tls=tls)
-    return TestClient(create_app(config))
+    # As a local user's tools call it (an open loopback controller answers only to that).
+    return TestClient(create_app(config), base_url="http://127.0.0.1:7070")
 
 
 def link_ticket(client: TestClient, join_secret: str, worker_id: str = "w1") -> tuple[str, object]:
@@ -190,7 +191,7 @@ def test_uploads_over_the_limit_get_413_naming_the_flag(store: Store, tmp_path: 
     config = ControllerConfig(
         store=store, artifacts=tmp_path / "artifacts", max_bundle_bytes=1 << 20
     )
-    with TestClient(create_app(config)) as client:
+    with TestClient(create_app(config), base_url="http://127.0.0.1:7070") as client:
         big = b"x" * ((1 << 20) + 1)
         answer = client.post("/v1/bundles", content=big)
         assert answer.status_code == 413
@@ -215,3 +216,29 @@ def test_an_artifact_of_a_job_id_no_job_can_have_is_a_404_not_a_crash(
             assert got.status_code == 404, (job_id, got.status_code, got.text)
         long_name = client.get(f"/v1/jobs/job-0123456789/artifacts/1/{'n' * 300}")
         assert long_name.status_code == 404
+
+
+def test_an_open_loopback_controller_answers_no_other_site(store: Store, tmp_path: Path) -> None:
+    """Open on loopback means this machine's tools, not every page its browser opens: a
+    cross-site post (its Origin) and a rebound name (its Host) are refused; the token, or
+    the controller's own pages, still work."""
+    with serve(store, tmp_path, tls=False) as client:
+        assert client.get("/v1/jobs").status_code == 200
+        same = {"Origin": "http://127.0.0.1:7070"}
+        assert client.get("/v1/jobs", headers=same).status_code == 200
+        for headers in (
+            {"Origin": "https://evil.example"},
+            {"Origin": "null"},
+            {"Origin": "http://127.0.0.1:9999"},
+            {"Host": "evil.example:7070"},
+        ):
+            answer = client.post("/v1/jobs", content=b"{}", headers=headers)
+            assert answer.status_code == 403, headers
+            assert "another site" in answer.json()["error"] or "Host" in answer.json()["error"]
+            assert client.get("/ui/jobs", headers=headers, follow_redirects=False).status_code in (
+                303,
+                401,
+            ), headers
+        token = f"Bearer {credentials(store).api_token}"
+        evil = {"Origin": "https://evil.example", "Authorization": token}
+        assert client.get("/v1/jobs", headers=evil).status_code == 200, "the token decides"
