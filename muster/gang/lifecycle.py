@@ -878,6 +878,14 @@ def _restarted(turn: _Turn, event: ControllerRestarted) -> None:
         turn.set_job(
             JobState.RENDEZVOUS, f"epoch {run.epoch}: waiting for node0 to publish its address"
         )
+    if run.hang_timeout is not None and run.job_state is JobState.RUNNING:
+        # Whether its ranks were hung went with the controller's memory: a Hung on record is
+        # lowered, and raised again if the agents that dial back say so (they resend HUNG).
+        turn.emit(
+            SetCondition(
+                "Hung", False, "ControllerRestarted", "re-read from the agents as they dial back"
+            )
+        )
     if run.path is PathClass.DIRECT and len(run.members) > 1 and not run.is_over:
         # Whether a pair had lost its path went with the controller's memory: the agents
         # say their paths again on their new links, and the condition follows.

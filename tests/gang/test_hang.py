@@ -121,3 +121,18 @@ def test_a_late_capture_of_an_earlier_episode_fails_nothing() -> None:
     assert run.job_state is JobState.RUNNING
     run, _ = step(run, StacksCaptured(2), 104)
     assert run.job_state is JobState.FAILED
+
+
+def test_a_restarted_controller_lowers_hung_until_the_agents_say_it_again() -> None:
+    from muster.gang import ControllerRestarted, MemberSnapshot
+    from muster.spec import MemberState
+
+    snapshots = [MemberSnapshot(worker=w, state=MemberState.RUNNING, assigned=True) for w in W]
+    restored = GangRun.restore(
+        "job1", 1, PathClass.PRIVATE, JobState.RUNNING, snapshots, published=("10.0.0.1", 1)
+    )
+    run = replace(restored, hang_timeout=600, fail_on_hang=True)
+    run, actions = step(run, ControllerRestarted(grace_deadline=50), 0)
+    lowered = [a for a in actions if isinstance(a, SetCondition) and a.type == "Hung"]
+    assert [(a.status, a.reason) for a in lowered] == [(False, "ControllerRestarted")]
+    assert not run.hung
