@@ -16,6 +16,7 @@ catalogue names it.
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -79,3 +80,43 @@ class HangWatch:
 
     def silent_for(self, now: float) -> float:
         return now - self.last_output
+
+
+OOM_MARKS = ("Killed process", "oom-kill:")
+
+
+def kernel_oom_lines(records: list[str], since: float) -> list[str]:
+    """The OOM killer's lines among kernel log records (``/dev/kmsg``'s "prio,seq,usec,flags;
+    text"), from ``since`` (CLOCK_MONOTONIC seconds, as time.monotonic) on."""
+    found = []
+    for record in records:
+        head, _, text = record.partition(";")
+        fields = head.split(",")
+        try:
+            when = int(fields[2]) / 1e6
+        except (IndexError, ValueError):
+            continue
+        if when >= since and any(mark in text for mark in OOM_MARKS):
+            found.append(f"kernel: {text.strip()}")
+    return found[-5:]
+
+
+def oom_kills_since(since: float, path: str = "/dev/kmsg") -> list[str]:
+    """The kernel's OOM-killer lines since ``since``, where this agent may read the kernel
+    log (root, or kernel.dmesg_restrict 0 and a readable /dev/kmsg); [] elsewhere."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return []
+    records = []
+    try:
+        for _ in range(100_000):  # bounded: the ring holds what it holds
+            try:
+                records.append(os.read(fd, 8192).decode(errors="replace"))
+            except BlockingIOError:
+                break
+            except OSError:  # EPIPE: records overwritten while reading; go on
+                continue
+    finally:
+        os.close(fd)
+    return kernel_oom_lines(records, since)

@@ -194,8 +194,7 @@ def open_refusal(request: Request) -> str | None:
     seen = urlsplit(origin)
     if origin == "null" or seen.hostname not in LOOPBACK_NAMES or seen.port != request.url.port:
         return (
-            f"Origin {origin!r}: a page from another site may not call this controller; "
-            f"{API_HINT}"
+            f"Origin {origin!r}: a page from another site may not call this controller; {API_HINT}"
         )
     return None
 

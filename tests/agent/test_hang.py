@@ -72,3 +72,22 @@ def test_before_the_command_the_interface_must_exist_and_hold_the_address() -> N
     assert "does not hold 10.254.254.254" in warning
     assert "127.0.0.1" in warning
     assert bind_problem("lo", "::1") == (None, None)
+
+
+def test_the_kernels_oom_lines_since_the_member_started() -> None:
+    from muster.agent.hang import kernel_oom_lines, oom_kills_since
+
+    records = [
+        "6,100,5000000,-;eth0: link up\n",
+        "3,101,9000000,-;Out of memory: Killed process 7 (python) total-vm:1kB\n",  # before
+        "4,102,12000000,-;python invoked oom-killer: gfp_mask=0x140cca(GFP_HIGHUSER_MOVABLE)\n",
+        "6,103,12000100,-;oom-kill:constraint=CONSTRAINT_NONE,task=python,pid=48213,uid=0\n",
+        "3,104,12000200,-;Out of memory: Killed process 48213 (python) total-vm:2kB\n",
+        "garbage without fields",
+    ]
+    lines = kernel_oom_lines(records, since=10.0)
+    assert lines == [
+        "kernel: oom-kill:constraint=CONSTRAINT_NONE,task=python,pid=48213,uid=0",
+        "kernel: Out of memory: Killed process 48213 (python) total-vm:2kB",
+    ]
+    assert oom_kills_since(0.0, path="/nonexistent/kmsg") == [], "unreadable: nothing"

@@ -58,6 +58,12 @@ SAMPLES = {
         "ValueError: Invalid rank 5, rank should be in the interval [0, 3]",
         "rank 5 was given a world of 3 + 1",
     ),
+    "killed by the OOM killer": (
+        "kernel: Out of memory: Killed process 48213 (python) total-vm:61234560kB, "
+        "anon-rss:58112012kB, file-rss:0kB, shmem-rss:0kB, UID:0 pgtables:113840kB "
+        "oom_score_adj:0",
+        "ended process 48213 (python)",
+    ),
     "a module is missing": (
         "ModuleNotFoundError: No module named 'transformers'",
         "no module transformers",
