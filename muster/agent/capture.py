@@ -139,6 +139,18 @@ def root_cause(launcher_lines: list[str]) -> tuple[int | None, int | None, str |
     return rank, code, signal
 
 
+_FAILED_PID = re.compile(r"\(pid: (\d+)\)")
+
+
+def failed_pids(launcher_lines: list[str]) -> set[int]:
+    """The pids torchrun's failure summary names (``exitcode : -9 (pid: 1234)``)."""
+    try:
+        start = max(i for i, line in enumerate(launcher_lines) if "Root Cause" in line)
+    except ValueError:
+        start = 0
+    return {int(m.group(1)) for line in launcher_lines[start:] if (m := _FAILED_PID.search(line))}
+
+
 def list_outputs(root: Path) -> list[Path]:
     """Every regular file under ``root``, in a stable order."""
     found: list[Path] = []

@@ -16,6 +16,7 @@ catalogue names it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import deque
 from dataclasses import dataclass, field
@@ -82,41 +83,54 @@ class HangWatch:
         return now - self.last_output
 
 
-OOM_MARKS = ("Killed process", "oom-kill:")
+OOM_MARKS = ("Killed process", "Kill process", "oom-kill:")
 
 
-def kernel_oom_lines(records: list[str], since: float) -> list[str]:
-    """The OOM killer's lines among kernel log records (``/dev/kmsg``'s "prio,seq,usec,flags;
-    text"), from ``since`` (CLOCK_MONOTONIC seconds, as time.monotonic) on."""
+def kernel_oom_lines(texts: list[str], pids: set[int]) -> list[str]:
+    """The OOM killer's lines about ``pids`` among kernel log messages."""
     found = []
-    for record in records:
-        head, _, text = record.partition(";")
-        fields = head.split(",")
-        try:
-            when = int(fields[2]) / 1e6
-        except (IndexError, ValueError):
+    for text in texts:
+        if not any(mark in text for mark in OOM_MARKS):
             continue
-        if when >= since and any(mark in text for mark in OOM_MARKS):
+        if any(f"process {pid} " in text or f"pid={pid}," in text for pid in pids):
             found.append(f"kernel: {text.strip()}")
     return found[-5:]
 
 
-def oom_kills_since(since: float, path: str = "/dev/kmsg") -> list[str]:
-    """The kernel's OOM-killer lines since ``since``, where this agent may read the kernel
-    log (root, or kernel.dmesg_restrict 0 and a readable /dev/kmsg); [] elsewhere."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except OSError:
-        return []
-    records = []
-    try:
-        for _ in range(100_000):  # bounded: the ring holds what it holds
+class KernelLog:
+    """The kernel's log from now on (``/dev/kmsg``, positioned at its end), where the agent
+    may read it (root, or kernel.dmesg_restrict 0): at a rank's SIGKILL, what came since
+    says whether the OOM killer did it. No clock is compared, and nothing older is read."""
+
+    MAX_RECORDS = 100_000
+
+    def __init__(self, path: str = "/dev/kmsg") -> None:
+        try:
+            self.fd: int | None = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+            os.lseek(self.fd, 0, os.SEEK_END)
+        except OSError:
+            self.close()
+            self.fd = None
+
+    def read_new(self) -> list[str]:
+        """The messages logged since the last read (one record per read(2))."""
+        texts: list[str] = []
+        if self.fd is None:
+            return texts
+        for _ in range(self.MAX_RECORDS):
             try:
-                records.append(os.read(fd, 8192).decode(errors="replace"))
+                record = os.read(self.fd, 8192).decode(errors="replace")
             except BlockingIOError:
                 break
             except OSError:  # EPIPE: records overwritten while reading; go on
                 continue
-    finally:
-        os.close(fd)
-    return kernel_oom_lines(records, since)
+            # "prio,seq,usec,flags;text" then " KEY=VALUE" continuation lines
+            texts.append(record.partition(";")[2].split("\n", 1)[0])
+        return texts
+
+    def close(self) -> None:
+        fd = getattr(self, "fd", None)
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.fd = None

@@ -22,8 +22,21 @@ from typing import Any
 import httpx
 import psutil
 
-from muster.agent.capture import Line, RankTailer, line_fields, list_outputs, root_cause
-from muster.agent.hang import CHECK_EVERY_S, HangWatch, oom_kills_since, tree_cpu_seconds
+from muster.agent.capture import (
+    Line,
+    RankTailer,
+    failed_pids,
+    line_fields,
+    list_outputs,
+    root_cause,
+)
+from muster.agent.hang import (
+    CHECK_EVERY_S,
+    HangWatch,
+    KernelLog,
+    kernel_oom_lines,
+    tree_cpu_seconds,
+)
 from muster.agent.inventory import bind_problem
 from muster.agent.reaper import terminate
 from muster.errors import InfrastructureError
@@ -107,7 +120,7 @@ class MemberRun:
         self.unacked: dict[Kind, dict[str, Any]] = {}
         self.finished = False  # run() has returned: no process of the member is left
         self.hung_report: dict[str, Any] | None = None  # the HUNG it said, while it holds
-        self.started_at = time.monotonic()  # torchrun's start (the kernel log's clock)
+        self.kernel_log: KernelLog | None = None  # opened at torchrun's start
         self._tasks: set[asyncio.Future[object]] = set()
         # The cgroup torchrun starts in (set by the agent for a gang across hosts): the
         # firewall tells the ranks' sockets by it (muster.net.cgroup).
@@ -159,7 +172,7 @@ class MemberRun:
             self.spec, self.node, addressing, node_env=os.environ, output_dir=str(out_dir)
         )
         env.update(self.host_env)
-        self.started_at = time.monotonic()
+        self.kernel_log = await asyncio.to_thread(KernelLog)  # what the kernel says from now on
         self.proc = await self.spawn(
             *argv,
             cwd=run_dir,
@@ -268,10 +281,15 @@ class MemberRun:
             tail = list(tailer.tails[failed_rank])
         elif code != 0:
             tail = list(self.launcher_lines)[-20:]
-        if sig == "SIGKILL" and not self.stopping:
-            # Killed with no word of its own: the kernel's log says whether it was the OOM
-            # killer (where the agent may read it), and the failure catalogue names it.
-            tail += await asyncio.to_thread(oom_kills_since, self.started_at)
+        killed = sig == "SIGKILL" or failed_exit == -9 or code == -9
+        if killed and not self.stopping and self.kernel_log is not None:
+            # Killed with no word of its own: the kernel's log says whether the OOM killer
+            # did it (where the agent may read it), and the failure catalogue names it.
+            pids = failed_pids(list(self.launcher_lines)) | {self.proc.pid if self.proc else 0}
+            texts = await asyncio.to_thread(self.kernel_log.read_new)
+            tail += kernel_oom_lines(texts, pids)
+        if self.kernel_log is not None:
+            self.kernel_log.close()
         await self._exited(
             {
                 "exit_code": code,

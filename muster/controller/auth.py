@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import secrets
 import time
 from dataclasses import dataclass
@@ -128,21 +129,16 @@ class Guard:
     def may_read(self, request: Request) -> bool:
         """Whether a dashboard page may be shown: what a user GET route would let through."""
         scheme, value = self._parse(request)
-        if not self.users_need_token:
-            return open_refusal(request) is None
         if scheme == "bearer" and same_secret(value, self.creds.api_token):
             return True
-        return self.has_session(request)
+        if self.has_session(request):
+            return True
+        return not self.users_need_token and open_refusal(request) is None
 
     def user(self, request: Request) -> None:
         """A user route: the API token (or nothing, on loopback without TLS)."""
         scheme, value = self._parse(request)
         if scheme == "bearer" and same_secret(value, self.creds.api_token):
-            return
-        if not self.users_need_token:
-            refused = open_refusal(request)
-            if refused is not None:
-                raise Forbidden(refused)
             return
         if not value and self.has_session(request):
             if request.method in SAFE_METHODS or request.headers.get(UI_HEADER) == "1":
@@ -151,6 +147,11 @@ class Guard:
                 f"a dashboard session changes nothing without the header {UI_HEADER}: 1 "
                 "(the dashboard's own buttons send it)"
             )
+        if not self.users_need_token:
+            refused = open_refusal(request)
+            if refused is not None:
+                raise Forbidden(refused)
+            return
         if scheme == "ticket" and self.tickets.worker(value) is not None:
             raise Forbidden("an agent's ticket may only fetch its bundle and upload its outputs")
         if scheme == "bearer" and same_secret(value, self.creds.join_secret):
@@ -172,7 +173,24 @@ class Guard:
         raise Unauthorized("send Authorization: Ticket <ticket of the agent's live link>")
 
 
-LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1"})
+DEFAULT_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443}
+
+
+def _loopback_name(host: str | None) -> bool:
+    if not host:
+        return False
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _where(url: str, scheme: str) -> tuple[str | None, int | None]:
+    """(host, port) of ``url``; the port defaulted by scheme; raises ValueError."""
+    parts = urlsplit(url)
+    return parts.hostname, parts.port or DEFAULT_PORTS.get(parts.scheme or scheme)
 
 
 def open_refusal(request: Request) -> str | None:
@@ -182,17 +200,26 @@ def open_refusal(request: Request) -> str | None:
     elsewhere can post to 127.0.0.1 (its Origin then names its own site), or rebind a name
     of its own to 127.0.0.1 (the Host then names it). Either would run code on the agents.
     """
-    host = request.url.hostname or ""
-    if host not in LOOPBACK_NAMES:
+    scheme = request.url.scheme
+    raw = request.headers.get("host", "")
+    try:  # the Host header itself (the URL falls back to the bound address on odd ones)
+        host, port = _where(f"//{raw}", scheme)
+    except ValueError:
+        host, port = None, None
+    if not _loopback_name(host):
         return (
-            f"Host {host!r}: a controller open on loopback answers only to 127.0.0.1, "
-            f"localhost or [::1] without a token; {API_HINT}"
+            f"Host {raw!r}: a controller open on loopback answers only to a loopback address "
+            f"or localhost without a token; {API_HINT}"
         )
     origin = request.headers.get("origin")
     if origin is None:
         return None
-    seen = urlsplit(origin)
-    if origin == "null" or seen.hostname not in LOOPBACK_NAMES or seen.port != request.url.port:
+    try:
+        seen = _where(origin, scheme) if origin != "null" else (None, None)
+    except ValueError:
+        seen = (None, None)
+    same_scheme = urlsplit(origin).scheme in (scheme, {"ws": "http", "wss": "https"}.get(scheme))
+    if not (_loopback_name(seen[0]) and seen[1] == port and same_scheme):
         return (
             f"Origin {origin!r}: a page from another site may not call this controller; {API_HINT}"
         )

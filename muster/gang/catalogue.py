@@ -7,8 +7,8 @@ matches, read from the newest line back, so the line closest to the failure deci
 I/O. Each entry has a test that replays a sample in the real format of the message
 (tests/gang/test_catalogue.py); an entry is only added with its sample.
 
-A rank killed with SIGKILL brings the kernel's OOM-killer lines along where its agent may
-read the kernel log (muster.agent.hang.oom_kills_since); without them a silent SIGKILL is
+A rank killed with SIGKILL brings the kernel's OOM-killer lines about its pid along where its
+agent may read the kernel log (muster.agent.hang.KernelLog); without them a silent SIGKILL is
 named as the OOM killer's likely mark. Not here yet: a rank that hung (that is the ``Hung``
 condition), NCCL falling back to sockets where a fabric was expected (``muster
 verify-fabric`` reads the banners), the relayed path's shim not loaded.
@@ -127,8 +127,7 @@ CATALOGUE: tuple[Entry, ...] = (
     ),
     _entry(
         "killed by the OOM killer",
-        r"(?:Memory cgroup out of memory|Out of memory): Killed process (?P<pid>\d+) "
-        r"\((?P<name>[^)]*)\)",
+        r"(?:Killed|Kill) process (?P<pid>\d+) \((?P<name>[^)]*)\)",
         "the kernel's out-of-memory killer ended process {pid} ({name})",
         "the host (or the job's memory cgroup) ran out of memory: fewer dataloader workers or "
         "a smaller prefetch, no per-rank copy of the dataset, or a host with more memory",

@@ -119,3 +119,18 @@ def _bytes(line: list[object]) -> bytes:
     if len(line) == 7:
         return base64.b64decode(str(line[6]))
     return str(line[5]).encode()
+
+
+def test_the_pids_of_torchruns_failure_summary() -> None:
+    from muster.agent.capture import failed_pids
+
+    lines = [
+        "[2026-11-30 12:00:00] torch.distributed.elastic.multiprocessing.api: failed",
+        "Root Cause (first observed failure):",
+        "[0]:",
+        "  rank      : 3 (local_rank: 1)",
+        "  exitcode  : -9 (pid: 11795)",
+        "  traceback : Signal 9 (SIGKILL) received by PID 11795",
+    ]
+    assert failed_pids(lines) == {11795}
+    assert failed_pids(["no summary"]) == set()

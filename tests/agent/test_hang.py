@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from muster.agent.hang import IDLE_CPU_SHARE, HangWatch, tree_cpu_seconds
 
 
@@ -74,20 +76,41 @@ def test_before_the_command_the_interface_must_exist_and_hold_the_address() -> N
     assert bind_problem("lo", "::1") == (None, None)
 
 
-def test_the_kernels_oom_lines_since_the_member_started() -> None:
-    from muster.agent.hang import kernel_oom_lines, oom_kills_since
+def test_the_kernels_oom_lines_about_the_members_pids() -> None:
+    from muster.agent.hang import kernel_oom_lines
 
-    records = [
-        "6,100,5000000,-;eth0: link up\n",
-        "3,101,9000000,-;Out of memory: Killed process 7 (python) total-vm:1kB\n",  # before
-        "4,102,12000000,-;python invoked oom-killer: gfp_mask=0x140cca(GFP_HIGHUSER_MOVABLE)\n",
-        "6,103,12000100,-;oom-kill:constraint=CONSTRAINT_NONE,task=python,pid=48213,uid=0\n",
-        "3,104,12000200,-;Out of memory: Killed process 48213 (python) total-vm:2kB\n",
-        "garbage without fields",
+    texts = [
+        "eth0: link up",
+        "python invoked oom-killer: gfp_mask=0x140cca(GFP_HIGHUSER_MOVABLE), order=0",
+        "oom-kill:constraint=CONSTRAINT_NONE,task=python,pid=48213,uid=0",
+        "Out of memory: Killed process 48213 (python) total-vm:2kB, anon-rss:1kB",
+        "Out of memory: Killed process 777 (chrome) total-vm:2kB",  # somebody else's
     ]
-    lines = kernel_oom_lines(records, since=10.0)
-    assert lines == [
+    assert kernel_oom_lines(texts, {48213}) == [
         "kernel: oom-kill:constraint=CONSTRAINT_NONE,task=python,pid=48213,uid=0",
-        "kernel: Out of memory: Killed process 48213 (python) total-vm:2kB",
+        "kernel: Out of memory: Killed process 48213 (python) total-vm:2kB, anon-rss:1kB",
     ]
-    assert oom_kills_since(0.0, path="/nonexistent/kmsg") == [], "unreadable: nothing"
+    assert kernel_oom_lines(texts, {5}) == [], "another process's kill is not this job's"
+
+
+def test_the_kernel_log_is_read_from_the_members_start_on() -> None:
+    """Positioned at the end when opened: only what the kernel logs later comes back."""
+    from muster.agent.hang import KernelLog, kernel_oom_lines
+
+    assert KernelLog("/nonexistent/kmsg").read_new() == []
+    log = KernelLog()
+    if log.fd is None:
+        pytest.skip("the kernel log is not readable here (/dev/kmsg: root or dmesg_restrict=0)")
+    try:
+        assert not [t for t in log.read_new() if "muster-test" in t], "nothing older"
+        try:
+            with open("/dev/kmsg", "w") as kmsg:
+                kmsg.write("muster-test: Killed process 4242 (python) total-vm:1kB\n")
+        except OSError:
+            pytest.skip("the kernel log cannot be written here (needs root) to test it")
+        texts = log.read_new()
+        assert kernel_oom_lines(texts, {4242}) == [
+            "kernel: muster-test: Killed process 4242 (python) total-vm:1kB"
+        ]
+    finally:
+        log.close()

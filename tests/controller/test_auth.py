@@ -226,11 +226,16 @@ def test_an_open_loopback_controller_answers_no_other_site(store: Store, tmp_pat
         assert client.get("/v1/jobs").status_code == 200
         same = {"Origin": "http://127.0.0.1:7070"}
         assert client.get("/v1/jobs", headers=same).status_code == 200
+        assert client.get("/v1/jobs", headers={"Host": "127.0.0.2:7070"}).status_code == 200
+        assert client.get("/v1/jobs", headers={"Host": "[::1]:7070"}).status_code == 200
         for headers in (
             {"Origin": "https://evil.example"},
             {"Origin": "null"},
             {"Origin": "http://127.0.0.1:9999"},
+            {"Origin": "https://127.0.0.1:7070"},
+            {"Origin": "http://127.0.0.1:abc"},
             {"Host": "evil.example:7070"},
+            {"Host": "127.0.0.1.evil.example:7070"},
         ):
             answer = client.post("/v1/jobs", content=b"{}", headers=headers)
             assert answer.status_code == 403, headers
@@ -242,3 +247,13 @@ def test_an_open_loopback_controller_answers_no_other_site(store: Store, tmp_pat
         token = f"Bearer {credentials(store).api_token}"
         evil = {"Origin": "https://evil.example", "Authorization": token}
         assert client.get("/v1/jobs", headers=evil).status_code == 200, "the token decides"
+        # Behind a proxy under another name, signing in to the dashboard opens it.
+        proxied = {"Host": "notebook.internal:8888"}
+        signed = client.post(
+            "/ui/login",
+            data={"token": credentials(store).api_token},
+            headers=proxied,
+            follow_redirects=False,
+        )
+        assert signed.status_code == 303
+        assert client.get("/ui/jobs/rows", headers=proxied).status_code == 200
