@@ -221,7 +221,7 @@ async def _labels(request: Request, job_ids: list[str]) -> dict[str, dict[str, s
 def _empty_text(state: str, label: str) -> str:
     if state or label:
         return "no job matches these filters"
-    return "no job yet: submit one with `muster run job.yaml`"
+    return "no job yet: submit one with `muster submit job.yaml -f`"
 
 
 @router.get("/ui/jobs", response_model=None)
