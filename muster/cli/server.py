@@ -11,7 +11,8 @@ import uvicorn
 
 from muster.cli.gc import parse_retention
 from muster.cli.main import app, err, reports_errors
-from muster.controller.app import ControllerConfig, create_app, is_loopback
+from muster.controller.app import ControllerConfig, create_app
+from muster.controller.auth import is_loopback
 from muster.controller.links import LINK_MAX_BYTES
 from muster.controller.retention import start_collecting
 from muster.controller.tls import controller_certificate, fingerprint, write_pem_files

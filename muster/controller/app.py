@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -16,7 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from muster.controller import dashboard
 from muster.controller.api import agents, router, users
-from muster.controller.auth import Guard, Tickets, credentials, require_user
+from muster.controller.auth import Guard, Tickets, credentials, is_loopback, require_user
 from muster.controller.files import FileStore
 from muster.controller.gangs import Controller
 from muster.controller.lease import ControllerLease
@@ -48,15 +47,6 @@ class ControllerConfig:
     max_artifact_bytes: int = 8 << 30
     restart_grace: float | None = None  # default: 3 heartbeat timeouts
     port: int = 0  # for the lease record: who holds this database
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def create_app(config: ControllerConfig) -> FastAPI:

@@ -176,7 +176,8 @@ class Guard:
 DEFAULT_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443}
 
 
-def _loopback_name(host: str | None) -> bool:
+def is_loopback(host: str | None) -> bool:
+    """A loopback address (any of 127/8, ::1) or localhost."""
     if not host:
         return False
     if host == "localhost":
@@ -206,7 +207,7 @@ def open_refusal(request: Request) -> str | None:
         host, port = _where(f"//{raw}", scheme)
     except ValueError:
         host, port = None, None
-    if not _loopback_name(host):
+    if not is_loopback(host):
         return (
             f"Host {raw!r}: a controller open on loopback answers only to a loopback address "
             f"or localhost without a token; {API_HINT}"
@@ -219,7 +220,7 @@ def open_refusal(request: Request) -> str | None:
     except ValueError:
         seen = (None, None)
     same_scheme = urlsplit(origin).scheme in (scheme, {"ws": "http", "wss": "https"}.get(scheme))
-    if not (_loopback_name(seen[0]) and seen[1] == port and same_scheme):
+    if not (is_loopback(seen[0]) and seen[1] == port and same_scheme):
         return (
             f"Origin {origin!r}: a page from another site may not call this controller; {API_HINT}"
         )
