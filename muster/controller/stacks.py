@@ -1,4 +1,4 @@
-"""``GET /v1/jobs/{id}/stacks``: every running rank's Python stack, gathered from the agents.
+"""``POST /v1/jobs/{id}/stacks``: every running rank's Python stack, gathered from the agents.
 
 The controller sends STACKS to the agent of each member that runs (or only the members that
 hold the ranks asked for) and waits, bounded, for their STACKS_DONE; an agent that does not
@@ -28,7 +28,7 @@ log = logging.getLogger("muster.controller")
 RANK_TIMEOUT_S = 10.0  # what each agent gets per rank's dump
 CAPTURE_BUDGET_S = 25.0  # a Hung capture's whole wait (the gang fails at 30 s regardless)
 EVENT_MAX_CHARS = 256 * 1024  # of a HungStacks event
-STACKS_AT_ONCE = 8  # dumps an agent runs at once (muster.agent.stacks)
+STACKS_AT_ONCE = 8  # dumps an agent runs at once (muster.agent.stacks's; wire-apart)
 ANSWER_SLACK_S = 5.0  # on top of it, for the frames
 
 
@@ -36,7 +36,6 @@ ANSWER_SLACK_S = 5.0  # on top of it, for the frames
 class _Request:
     job: str
     workers: dict[str, int]  # worker id -> node rank asked
-    plan: Any
     answers: dict[int, dict[str, Any]] = field(default_factory=dict)
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -50,7 +49,7 @@ class StackDesk:
     async def collect(
         self, job_id: str, rank: int | None, native: bool, budget: float | None = None
     ) -> dict[str, Any]:
-        await self.c.db(self.c.store.job, job_id)  # 404 for a job that does not exist
+        job = await self.c.db(self.c.store.job, job_id)  # 404 for a job that does not exist
         entry = self.c.runs.get(job_id)
         running = (
             [m for m in entry.gang.members if m.started and not m.gone and not m.lost]
@@ -58,8 +57,7 @@ class StackDesk:
             else []
         )
         if entry is None or not running:
-            state = (await self.c.db(self.c.store.job, job_id)).state
-            raise BadRequest(f"job {job_id} has no running ranks (it is {state})")
+            raise BadRequest(f"job {job_id} has no running ranks (it is {job.state})")
         plan = rank_plan(entry.spec)
         ranks: list[int] | None = None
         if rank is not None:
@@ -70,7 +68,7 @@ class StackDesk:
             if not running:
                 raise BadRequest(f"rank {rank} of job {job_id} is not running now")
         linked = [m for m in running if m.worker in self.c.links]
-        request = _Request(job_id, {m.worker: m.node for m in linked}, plan)
+        request = _Request(job_id, {m.worker: m.node for m in linked})
         unlinked = sorted(m.node for m in running if m.worker not in self.c.links)
         token = secrets.token_hex(8)
         self.open[token] = request
