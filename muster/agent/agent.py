@@ -34,7 +34,7 @@ from muster.agent.launcher import MemberRun
 from muster.agent.network import GangNetwork
 from muster.agent.prepare import NotReady, Preparation
 from muster.agent.retention import remove_stale_job_dirs
-from muster.agent.stacks import dump_ranks
+from muster.agent.stacks import dump_ranks, flight_ranks
 from muster.agent.tunnel import SshTunnel
 from muster.client import pinned_ssl_context
 from muster.errors import InfrastructureError
@@ -47,6 +47,7 @@ BATCH_LINES = 4000
 FLUSH_S = 0.05
 MAX_UNACKED = 32  # batches in flight before capture waits: nothing is dropped
 STACK_TIMEOUT_S = 15.0  # one rank's py-spy dump at most (the request may ask less)
+FLIGHT_TIMEOUT_S = 3.0  # one rank's flight recorder (its own server thread answers at once)
 # Lines held in memory (waiting or unacked) before the capture stops reading the ranks' files:
 # while the controller is away, the rest waits on disk where torchrun wrote it.
 MAX_BACKLOG_LINES = 200_000
@@ -535,6 +536,8 @@ class Agent:
                 timeout,
             )
             answer["stacks"] = {str(rank): text for rank, text in found.items()}
+            where = await flight_ranks(member.diag_dir, found, min(timeout, FLIGHT_TIMEOUT_S))
+            answer["collectives"] = {str(rank): w for rank, w in where.items()}
         await self.send(Kind.STACKS_DONE, answer)
 
     def _join_reply(self, body: dict[str, Any]) -> None:

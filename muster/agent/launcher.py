@@ -13,6 +13,7 @@ import shutil
 import signal
 import sys
 import tarfile
+import tempfile
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -43,6 +44,7 @@ from muster.errors import InfrastructureError
 from muster.net import cgroup
 from muster.net.cgroup import RankGroup
 from muster.plan import GangAddressing, launch_env, rank_plan, torchrun_argv
+from muster.plan.env import DIAG_DIR_ENV, flight_recorder_on
 from muster.spec import JobSpec, PathClass
 from muster.wire import Kind
 
@@ -121,6 +123,7 @@ class MemberRun:
         self.finished = False  # run() has returned: no process of the member is left
         self.hung_report: dict[str, Any] | None = None  # the HUNG it said, while it holds
         self.kernel_log: KernelLog | None = None  # opened at torchrun's start
+        self.diag_dir: str | None = None  # where the ranks serve their flight recorder
         self._tasks: set[asyncio.Future[object]] = set()
         # The cgroup torchrun starts in (set by the agent for a gang across hosts): the
         # firewall tells the ranks' sockets by it (muster.net.cgroup).
@@ -172,6 +175,11 @@ class MemberRun:
             self.spec, self.node, addressing, node_env=os.environ, output_dir=str(out_dir)
         )
         env.update(self.host_env)
+        if flight_recorder_on(env):
+            # The ranks serve their flight recorder here (muster.train.flight): a directory
+            # only this user may enter, with a path short enough for a Unix socket.
+            self.diag_dir = await asyncio.to_thread(tempfile.mkdtemp, prefix="muster-fr-")
+            env[DIAG_DIR_ENV] = self.diag_dir
         self.kernel_log = await asyncio.to_thread(KernelLog)  # what the kernel says from now on
         self.proc = await self.spawn(
             *argv,
@@ -225,6 +233,8 @@ class MemberRun:
         # torchrun is gone; a rank it left behind (torchrun killed by the OOM killer, say)
         # still holds its GPU: end the rest of its process group before reporting the exit.
         await asyncio.to_thread(sweep_group, self.proc.pid, self.grace)
+        if self.diag_dir is not None:
+            await asyncio.to_thread(shutil.rmtree, self.diag_dir, True)
         await asyncio.gather(*pumps, return_exceptions=True)
         reaper.cancel()
         tailer.poll(final=True)

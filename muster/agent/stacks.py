@@ -8,21 +8,35 @@ with the ``stacks`` extra (``pip install 'muster[stacks]'``); without it every r
 with the fix. It reads another process's memory, so it needs ptrace rights over the ranks:
 the agent's own user (with kernel.yama.ptrace_scope 0 or 1 for a parent: py-spy runs as a
 child of the agent, not of the rank, so scope 1 wants CAP_SYS_PTRACE), or root.
+
+Where the job turns torch's flight recorder on, a rank that serves it (muster.train.flight)
+answers on ``rank<N>.sock`` in the member's diagnosis directory, and each rank's answer also
+says the collective it is parked in (muster.plan.stacks.parked).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
+import json
+import os
 import shutil
+import socket
 import sys
+import time
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import psutil
+
+from muster.plan.stacks import parked
 
 STACKS_AT_ONCE = 8  # py-spy processes at once on this agent, whatever the requests
 RANK_TEXT_MAX = 64 * 1024  # of one rank's dump (the head: each thread's innermost frames first)
 ANSWER_MAX = 2 * 1024 * 1024  # of one STACKS_DONE's texts together: well under any frame cap
+FLIGHT_MAX = 16 * 1024 * 1024  # of one rank's flight recorder dump (2,000 entries are ~1.5 MB)
 PYSPY_HINT = "py-spy is not installed next to the agent: pip install 'muster[stacks]'"
 
 
@@ -130,3 +144,56 @@ async def dump_ranks(
         room -= len(text)
         answer[rank] = text
     return answer
+
+
+class _UnixHTTP(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self.path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self.path)
+        except OSError:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+def flight_dump(path: str, timeout: float) -> dict[str, Any] | None:
+    """A rank's flight recorder as torch's worker server gives it, or None (not served, not
+    answering in ``timeout``, or not what torch sends)."""
+    conn = _UnixHTTP(path, timeout)
+    try:
+        conn.request("POST", "/handler/fr_trace_json", body=b"")
+        response = conn.getresponse()
+        body = response.read(FLIGHT_MAX + 1)
+        if response.status != 200 or len(body) > FLIGHT_MAX:
+            return None
+        dump = json.loads(body)
+        return dump if isinstance(dump, dict) else None
+    except (OSError, http.client.HTTPException, ValueError):
+        return None
+    finally:
+        conn.close()
+
+
+async def flight_ranks(
+    directory: str | None, ranks: Iterable[int], timeout: float
+) -> dict[int, dict[str, Any]]:
+    """{rank: where it is parked} for the ranks that serve their flight recorder."""
+    if directory is None:
+        return {}
+
+    async def one(rank: int) -> dict[str, Any] | None:
+        path = os.path.join(directory, f"rank{rank}.sock")
+        if not os.path.exists(path):
+            return None
+        dump = await asyncio.to_thread(flight_dump, path, timeout)
+        return parked(dump, time.time_ns()) if dump is not None else None
+
+    wanted = sorted(ranks)
+    found = await asyncio.gather(*(one(r) for r in wanted))
+    return {r: where for r, where in zip(wanted, found, strict=True) if where is not None}

@@ -97,20 +97,24 @@ class StackDesk:
             pass
         finally:
             self.open.pop(token, None)
-        stacks: list[tuple[int, int, str]] = []
+        stacks: list[dict[str, Any]] = []
         errors = []
         for node, answer in sorted(request.answers.items()):
             if answer.get("error"):
                 errors.append({"node": node, "error": str(answer["error"])[:1000]})
             found = answer.get("stacks")
+            where = answer.get("collectives")
+            where = where if isinstance(where, dict) else {}
             own = plan.nodes[node].ranks
-            for key, text in sorted((found if isinstance(found, dict) else {}).items()):
+            for key, text in (found if isinstance(found, dict) else {}).items():
                 if str(key).isdigit() and int(key) in own:  # its own ranks only
-                    stacks.append((int(key), node, str(text)))
+                    item = {"rank": int(key), "node": node, "text": str(text)}
+                    item["collective"] = _collective(where.get(str(key)))
+                    stacks.append(item)
         missing = sorted({*unlinked, *(set(request.workers.values()) - set(request.answers))})
         return {
             "job": job_id,
-            "stacks": [{"rank": r, "node": n, "text": t} for r, n, t in sorted(stacks)],
+            "stacks": sorted(stacks, key=lambda item: item["rank"]),
             "errors": errors,
             "missing": missing,
         }
@@ -145,3 +149,19 @@ class StackDesk:
         request.answers[request.workers[worker]] = body
         if len(request.answers) == len(request.workers):
             request.done.set()
+
+
+_COLLECTIVE_KEYS = (
+    *("seq", "op", "group", "sizes", "dtypes", "state", "age_s"),
+    *("last_seq", "last_op"),
+)
+
+
+def _collective(raw: Any) -> dict[str, Any] | None:
+    """An agent's account of a rank's collective, kept to the keys muster.plan.stacks.parked
+    writes and to a printable size (an agent is trusted with its ranks, not with the API's
+    answer size)."""
+    if not isinstance(raw, dict):
+        return None
+    kept = {k: raw[k] for k in _COLLECTIVE_KEYS if k in raw}
+    return kept if len(repr(kept)) <= 2000 else None

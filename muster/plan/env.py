@@ -35,6 +35,19 @@ MESH_MAX_NODES = MESH_GANG_SIZE - 2
 
 #: NCCL variables the path fixes; a job's own value for them is refused at submission.
 PATH_FIXED_NCCL = ("NCCL_NET", "NCCL_SOCKET_IFNAME", "NCCL_SOCKET_FAMILY", "NCCL_IB_DISABLE")
+#: Where a member's ranks serve their flight recorder (muster.train.flight reads the same name).
+DIAG_DIR_ENV = "MUSTER_DIAG_DIR"
+#: torch's flight-recorder buffer sizes (the generic name, and NCCL's older one).
+FLIGHT_RECORDER_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+
+
+def flight_recorder_on(env: Mapping[str, str]) -> bool:
+    """The ranks record their collectives: a flight-recorder buffer of at least one entry."""
+    for key in FLIGHT_RECORDER_ENV:
+        value = env.get(key, "").strip()
+        if value.isdigit() and int(value) > 0:
+            return True
+    return False
 
 
 @dataclass(frozen=True)

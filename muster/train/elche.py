@@ -61,6 +61,7 @@ import torch.distributed as dist
 from torch import nn
 
 from muster.errors import UserError
+from muster.train import flight
 from muster.train.collective import (
     RoundResult,
     Trace,
@@ -197,6 +198,7 @@ class ElChe:
                 "ElChe needs a process group: call torch.distributed.init_process_group() "
                 "first, and start the script with torchrun (or muster)"
             )
+        flight.serve()  # `muster stacks` reads its collectives, where the job records them
         owned = {id(p) for p in model.parameters()}
         for param_group in optimizer.param_groups:
             if any(id(p) not in owned for p in param_group["params"]):

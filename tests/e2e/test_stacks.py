@@ -31,6 +31,23 @@ t = torch.ones(1)
 dist.all_reduce(t)
 """
 
+# The same hang, with torch's flight recorder on and served (muster.train.flight): three
+# all_reduces done together, then rank 3 sleeps while the others enter the fourth.
+HANGS_RECORDED = """
+import time, torch, torch.distributed as dist
+from muster.train.flight import serve
+dist.init_process_group("gloo")
+assert serve(), "muster set MUSTER_DIAG_DIR"
+rank = dist.get_rank()
+t = torch.ones(1000)
+for _ in range(3):
+    dist.all_reduce(t)
+print(f"rank {rank} ready", flush=True)
+if rank == 3:
+    time.sleep(600)
+dist.all_reduce(t)
+"""
+
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
@@ -67,6 +84,48 @@ def test_stacks_name_the_rank_that_never_reached_the_collective(
     gone = muster(cluster, "stacks", job)
     assert gone.returncode == 2
     assert f"job {job} has no running ranks (it is cancelled)" in gone.stderr
+
+
+def test_stacks_name_the_collective_each_rank_is_parked_in(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """With TORCH_FR_BUFFER_SIZE set in the job, every rank's flight recorder says where it
+    waits: ranks 0-2 in all_reduce number 4, rank 3 between collectives after number 3."""
+    api = cluster.client()
+    path = write_job(
+        tmp_path / "fr", "fr", HANGS_RECORDED, timeout="5m", env={"TORCH_FR_BUFFER_SIZE": "64"}
+    )
+    job = submit(api, path)
+    deadline = time.monotonic() + 120
+    while sum(ln["text"].endswith("ready") for ln in all_lines(api, job)) < 4:
+        assert time.monotonic() < deadline, all_lines(api, job)
+        time.sleep(0.3)
+    time.sleep(1)
+
+    answer = api.stacks(job)
+    where = {s["rank"]: s["collective"] for s in answer["stacks"]}
+    assert sorted(where) == [0, 1, 2, 3], answer
+    for rank in (0, 1, 2):
+        seen = where[rank]
+        assert (seen["seq"], seen["op"], seen["sizes"]) == (4, "all_reduce", [[1000]]), where
+        assert seen["age_s"] >= 0.5, where
+    assert (where[3]["seq"], where[3]["last_seq"]) == (None, 3), where
+
+    shown = muster(cluster, "stacks", job)
+    assert shown.returncode == 0, shown.stderr
+    blocks = shown.stdout.split("\n[")
+    assert blocks[0].startswith("[rank3] differs from the others"), shown.stdout
+    assert "collective: none in flight; last all_reduce #3 on default_pg" in blocks[0]
+    assert "collective: in all_reduce #4 on default_pg (Float[1000])" in blocks[1], blocks[1]
+    api.cancel(job)
+    wait_state(api, job)
+    dirs = [line for line in all_lines(api, job) if "muster-fr-" in line["text"]]
+    assert dirs, "torch names the socket it serves on"
+    socket_dir = Path(dirs[0]["text"].split("UNIX ")[-1].strip()).parent
+    deadline = time.monotonic() + 15  # cancelled is said at once; the member ends after
+    while socket_dir.exists():
+        assert time.monotonic() < deadline, "the member's diagnosis directory goes with it"
+        time.sleep(0.2)
 
 
 def test_folding_puts_the_odd_ranks_first() -> None:
