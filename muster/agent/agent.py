@@ -12,7 +12,6 @@ import contextlib
 import logging
 import random
 import signal
-import socket
 import ssl
 import time
 from collections import deque
@@ -28,11 +27,13 @@ import websockets
 from websockets.asyncio.client import ClientConnection, connect
 
 from muster import wire
+from muster.agent import rendezvous
 from muster.agent.capture import Line
 from muster.agent.datasource import SshfsSource
 from muster.agent.launcher import MemberRun
 from muster.agent.network import GangNetwork
 from muster.agent.prepare import NotReady, Preparation
+from muster.agent.rendezvous import Holds
 from muster.agent.retention import remove_stale_job_dirs
 from muster.agent.stacks import dump_ranks, flight_ranks
 from muster.agent.tunnel import SshTunnel
@@ -152,6 +153,7 @@ class Agent:
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
         self.members: dict[str, MemberRun] = {}
+        self.holds = Holds()  # node 0's rendezvous ports, until torchrun takes them
         self.shipper = _Shipper()
         self.codec: wire.LinkCodec | None = None
         self.ws: ClientConnection | None = None
@@ -503,6 +505,8 @@ class Agent:
             self._in_background(self.network.probe_run(body))
         elif frame.kind is Kind.PREPARE_RENDEZVOUS:
             await self._prepare(body)
+        elif frame.kind is Kind.MASTER_CHECK:
+            self._in_background(self._master_check(body))
         elif frame.kind is Kind.ASSIGN:
             await self.network.probe_close()  # every pair was measured before any ASSIGN
             self._start(body)
@@ -576,7 +580,7 @@ class Agent:
     async def _prepare(self, body: dict[str, Any]) -> None:
         addr = str(body["addr"])
         try:
-            port = body.get("port") or free_port(addr)
+            port = self.holds.hold(str(body["job"]), body["epoch"], addr, body.get("port"))
         except OSError as exc:
             await self.send(
                 Kind.MEMBER_EXITED,
@@ -600,6 +604,15 @@ class Agent:
             },
         )
 
+    async def _master_check(self, body: dict[str, Any]) -> None:
+        """MASTER_CHECK: dial node 0's held port and read the job Python's versions."""
+        addr = body.get("addr")
+        found = await rendezvous.check(
+            self.config.python, str(addr) if addr else None, int(body.get("port") or 0)
+        )
+        ids = {k: body.get(k) for k in ("job", "epoch", "node_rank")}
+        await self.send(Kind.MASTER_CHECKED, {**ids, **found})
+
     def _start(self, assignment: dict[str, Any]) -> None:
         job = str(assignment["job"])
         http = httpx.AsyncClient(
@@ -621,6 +634,7 @@ class Agent:
             link_up=self.link_up,
             may_read=lambda: self.shipper.backlog() < MAX_BACKLOG_LINES,
             host_env=self.config.host_env,
+            release_port=lambda: self.holds.release(job),
         )
         if job in self.members:
             log.warning("ignoring a second ASSIGN for %s", job)
@@ -642,6 +656,7 @@ class Agent:
                     {**member.ids(), "exit_code": 1, "tail": [f"muster agent error: {exc}"]},
                 )
             finally:
+                self.holds.release(job)  # (let go before torchrun started; or it never did)
                 if watch is not None:
                     watch.cancel()
                 member.finished = True
@@ -657,6 +672,7 @@ class Agent:
     async def _stop(self, job: str, reason: str, order: dict[str, Any] | None = None) -> None:
         member = self.members.get(job)
         epoch = order.get("epoch") if order is not None else None
+        self.holds.release(job, epoch)
         if member is not None and (epoch is None or epoch == member.epoch):
             await member.stop(reason)
             return
@@ -680,6 +696,7 @@ class Agent:
             )
 
     async def _stop_all(self, reason: str) -> None:
+        self.holds.release_all()
         for member in list(self.members.values()):
             await member.stop(reason)
 
@@ -690,15 +707,6 @@ def _reflector(config: AgentConfig) -> tuple[str, int] | None:
     if not url.hostname or config.tunnel is not None:  # ssh forwards no UDP
         return None
     return url.hostname, url.port or (443 if url.scheme == "https" else 80)
-
-
-def free_port(addr: str) -> int:
-    """A free TCP port for the rendezvous. It binds the wildcard address, not ``addr``: the
-    advertised address may be a NAT's or an elastic one that no local interface holds."""
-    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", 0))
-        return int(s.getsockname()[1])
 
 
 def _bytes(message: str | bytes) -> bytes:

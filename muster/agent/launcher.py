@@ -79,8 +79,11 @@ class MemberRun:
         upload_patience: float = UPLOAD_PATIENCE_S,
         may_read: Callable[[], bool] = lambda: True,
         host_env: dict[str, str] | None = None,
+        release_port: Callable[[], None] = lambda: None,
     ) -> None:
         self.job = str(assignment["job"])
+        # Node 0's agent holds the rendezvous port until torchrun is about to take it.
+        self.release_port = release_port
         # What only this box knows (a walk-in's data path, its GPU's share of RAM): it rides
         # the assignment into the ranks' environment, over anything the job said.
         self.host_env = dict(host_env or {})
@@ -181,6 +184,7 @@ class MemberRun:
             self.diag_dir = await asyncio.to_thread(tempfile.mkdtemp, prefix="muster-fr-")
             env[DIAG_DIR_ENV] = self.diag_dir
         self.kernel_log = await asyncio.to_thread(KernelLog)  # what the kernel says from now on
+        self.release_port()  # node 0: torchrun's store binds it next
         self.proc = await self.spawn(
             *argv,
             cwd=run_dir,

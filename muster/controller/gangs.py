@@ -45,6 +45,7 @@ from muster.gang import (
     KeepApart,
     LinkBack,
     LinkLost,
+    MasterChecked,
     MemberExited,
     MemberHung,
     MemberReport,
@@ -61,6 +62,7 @@ from muster.gang import (
     RecordEvent,
     ReleaseWorker,
     SendAssign,
+    SendMasterCheck,
     SendNetPeers,
     SendNetSetup,
     SendPrepareRendezvous,
@@ -113,6 +115,7 @@ _SENDS = (
     SendNetPeers,
     SendProbeListen,
     SendProbeRun,
+    SendMasterCheck,
     SendPrepareRendezvous,
     SendAssign,
     SendStop,
@@ -308,6 +311,15 @@ class Controller:
                     ],
                 }
                 await send(action.worker, Kind.PROBE_RUN, order)
+            elif isinstance(action, SendMasterCheck):
+                order = {
+                    "job": job,
+                    "epoch": epoch,
+                    "node_rank": action.node,
+                    "addr": action.addr,
+                    "port": action.port,
+                }
+                await send(action.worker, Kind.MASTER_CHECK, order)
             elif isinstance(action, SendPrepareRendezvous):
                 body = {"job": job, "epoch": epoch, "addr": action.addr, "port": action.port}
                 await send(action.worker, Kind.PREPARE_RENDEZVOUS, body)
@@ -744,6 +756,7 @@ class Controller:
                 Kind.NET_UP,
                 Kind.PROBE_READY,
                 Kind.PROBE_DONE,
+                Kind.MASTER_CHECKED,
             ):
                 # (of that epoch only: the job's next epoch may be on this worker already)
                 stale = {"job": job, "epoch": body.get("epoch"), "reason": "stale"}
@@ -792,6 +805,14 @@ class Controller:
             event = MemberHung(node, bool(body.get("hung")), (first, last), int(body["silent_s"]))
         elif kind is Kind.RENDEZVOUS_READY:
             event = PortPublished(node, str(body["addr"]), int(body["port"]))
+        elif kind is Kind.MASTER_CHECKED:
+            error = body.get("error")
+            event = MasterChecked(
+                node,
+                str(error)[:500] if error else None,
+                _short(body.get("torch")),
+                _short(body.get("nccl")),
+            )
         elif kind is Kind.MEMBER_STARTED:
             event = MemberStarted(node)
         elif kind is Kind.MEMBER_EXITED:

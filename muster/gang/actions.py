@@ -22,6 +22,17 @@ class SendPrepareRendezvous:
 
 
 @dataclass(frozen=True)
+class SendMasterCheck:
+    """MASTER_CHECK: dial node 0's rendezvous at ``addr:port`` (held open by node 0's agent
+    until its ASSIGN; None for node 0 itself) and say the member's torch and NCCL versions."""
+
+    node: int
+    worker: str
+    addr: str | None
+    port: int
+
+
+@dataclass(frozen=True)
 class SendNetSetup:
     """NET_SETUP to a member of a direct gang: make a fresh key and device ``muster0`` with
     the member's mesh address (the controller fills it in)."""
@@ -148,6 +159,7 @@ Action: TypeAlias = (
     KeepApart
     | CaptureStacks
     | SendProbeListen
+    | SendMasterCheck
     | SendProbeRun
     | SetCondition
     | SendNetSetup

@@ -38,6 +38,18 @@ class PortPublished:
 
 
 @dataclass(frozen=True)
+class MasterChecked:
+    """MASTER_CHECKED: before any rank starts, the member reached node 0's rendezvous port
+    (or ``error`` says why not; node 0 itself does not dial), and runs these versions
+    (None: not known, e.g. NCCL on a CPU build)."""
+
+    node: int
+    error: str | None = None
+    torch: str | None = None
+    nccl: str | None = None
+
+
+@dataclass(frozen=True)
 class NetReady:
     """NET_READY: the member's WireGuard device is up with ``public_key``, listening on
     ``endpoint`` (host:port); or ``error`` says why it could not be made."""
@@ -205,6 +217,7 @@ Event: TypeAlias = (
     | NetReady
     | NetUp
     | ProbeReady
+    | MasterChecked
     | ProbeDone
     | NetPath
     | MemberHung

@@ -38,6 +38,7 @@ from muster.gang.actions import (
     RecordEvent,
     ReleaseWorker,
     SendAssign,
+    SendMasterCheck,
     SendNetPeers,
     SendNetSetup,
     SendPrepareRendezvous,
@@ -56,6 +57,7 @@ from muster.gang.events import (
     Event,
     LinkBack,
     LinkLost,
+    MasterChecked,
     MemberExited,
     MemberHung,
     MemberStarted,
@@ -78,6 +80,9 @@ _M = MemberState
 _FORWARD = (_M.PENDING, _M.ASSIGNED, _M.STARTING, _M.RUNNING, _M.SUCCEEDED)
 _BEFORE_RENDEZVOUS = (JobState.PLACING, JobState.NETWORKING)
 RENDEZVOUS_TIMEOUT_S = 120.0  # node 0 answers PREPARE_RENDEZVOUS within this, or the job fails
+# Every member answers MASTER_CHECK within this (its agent dials for 10 s at most and reads
+# the versions in its Python meanwhile), or the epoch is fenced.
+MASTER_CHECK_BUDGET_S = 30.0
 # A probed pair's connects (up to 25 s when they time out: muster.net.probe's readiness
 # window) and echo, beyond its throughput sample.
 PROBE_PAIR_SLACK_S = 30.0
@@ -109,6 +114,8 @@ def step(run: GangRun, event: Event, now: float) -> tuple[GangRun, tuple[Action,
         _fail_hung(turn, event.episode)
     elif isinstance(event, PortPublished):
         _port_published(turn, event)
+    elif isinstance(event, MasterChecked):
+        _master_checked(turn, event)
     elif isinstance(event, MemberStarted):
         _member_started(turn, event)
     elif isinstance(event, MemberExited):
@@ -399,6 +406,7 @@ def _start_rendezvous(turn: _Turn) -> None:
     why = f"epoch {run.epoch}: waiting for node0 to publish its address"
     turn.set_job(JobState.RENDEZVOUS, why)
     turn.emit(SendPrepareRendezvous(run.members[0].worker, run.master_addr, run.port))
+    turn.update(0, holding=True)
 
 
 def _net_ready(turn: _Turn, event: NetReady) -> None:
@@ -565,16 +573,124 @@ def _degraded(turn: _Turn, node: int) -> None:
 
 
 def _port_published(turn: _Turn, event: PortPublished) -> None:
+    """Node 0 holds its rendezvous port open: in a gang across nodes every member dials it
+    and says its versions first (MASTER_CHECK), so a port no member reaches, or a member on
+    another torch, fails the epoch before any rank starts; alone, node 0 goes on at once."""
     run = turn.run
-    if event.node != 0 or run.published is not None or run.job_state is not JobState.RENDEZVOUS:
+    if (
+        event.node != 0
+        or run.published is not None
+        or run.checking is not None
+        or run.job_state is not JobState.RENDEZVOUS
+    ):
         return
-    turn.run = replace(run, published=(event.addr, event.port))
+    if len(run.members) == 1:
+        _publish(turn, event.addr, event.port)
+        return
+    turn.run = replace(run, checking=(event.addr, event.port))
+    _maybe_check(turn)
+
+
+def _maybe_check(turn: _Turn) -> None:
+    """MASTER_CHECK to every member, once node 0 holds its port and every member is here."""
+    run = turn.run
+    if (
+        run.checking is None
+        or run.check_sent
+        or run.published is not None
+        or run.job_state is not JobState.RENDEZVOUS
+        or any(m.unconfirmed for m in run.members)
+    ):
+        return
+    addr, port = run.checking
+    turn.run = replace(run, check_sent=True, rendezvous_deadline=turn.now + MASTER_CHECK_BUDGET_S)
     turn.emit(
-        SetRendezvous(event.addr, event.port),
+        RecordEvent(
+            "RendezvousCheck",
+            f"epoch {run.epoch}: every member dials node0's rendezvous at "
+            f"{_host_port(addr, port)} before any rank starts",
+            {"addr": addr, "port": port},
+        )
+    )
+    for member in run.members:
+        turn.emit(
+            SendMasterCheck(member.node, member.worker, None if member.node == 0 else addr, port)
+        )
+
+
+def _master_checked(turn: _Turn, event: MasterChecked) -> None:
+    member = turn.member(event.node)
+    run = turn.run
+    if (
+        member is None
+        or run.checking is None
+        or run.published is not None
+        or run.job_state is not JobState.RENDEZVOUS
+        or member.checked is not None
+    ):
+        return
+    addr, port = run.checking
+    if event.error is not None and member.node != 0:
+        node0 = run.members[0]
+        cause = (
+            f"node{member.node} (worker {member.worker}) cannot reach node0's rendezvous at "
+            f"{_host_port(addr, port)} (worker {node0.worker}): {event.error}; let TCP port "
+            f"{port} of node0 in from the gang's members, or advertise an address they route "
+            "to (`muster agent --interface`)"
+        )
+        _fence(turn, cause, [(0, member.node)], "MasterUnreachable")
+        return
+    turn.update(member.node, checked=(event.torch, event.nccl))
+    if any(m.checked is None for m in turn.run.members):
+        return
+    mismatch = version_mismatch(turn.run.members)
+    if mismatch is not None:
+        _fail(turn, JobState.FAILED, mismatch)
+        return
+    turn.run = replace(turn.run, checking=None)
+    _publish(turn, addr, port)
+
+
+def version_mismatch(members: tuple[Member, ...]) -> str | None:
+    """Why these members cannot run one job together (torch, then NCCL, differ), naming the
+    odd ones against the version most members run; None when they agree (or do not know)."""
+    for index, name in ((0, "torch"), (1, "NCCL")):
+        seen: dict[int, str] = {}
+        for m in members:
+            version = m.checked[index] if m.checked else None
+            if version:
+                seen[m.node] = version
+        versions = sorted(set(seen.values()))
+        if len(versions) < 2:
+            continue
+        counts = {v: sum(1 for x in seen.values() if x == v) for v in versions}
+        common = max(versions, key=lambda v: (counts[v], v == seen.get(0)))
+        odd = ", ".join(
+            f"node{m.node} (worker {m.worker}) runs {name} {seen[m.node]}"
+            for m in members
+            if m.node in seen and seen[m.node] != common
+        )
+        fix = (
+            f"install torch=={common} in every member's Python (`muster agent --python`)"
+            if name == "torch"
+            else "install one torch build on every member (its NCCL comes with it)"
+        )
+        return f"the members' {name} differs: {odd}, the others {name} {common}: {fix}"
+    return None
+
+
+def _host_port(addr: str, port: int) -> str:
+    return f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
+
+
+def _publish(turn: _Turn, addr: str, port: int) -> None:
+    turn.run = replace(turn.run, published=(addr, port))
+    turn.emit(
+        SetRendezvous(addr, port),
         RecordEvent(
             "RendezvousPublished",
-            f"node0 published {event.addr}:{event.port}",
-            {"addr": event.addr, "port": event.port},
+            f"node0 published {_host_port(addr, port)}",
+            {"addr": addr, "port": port},
         ),
     )
     _maybe_assign(turn)
@@ -773,6 +889,7 @@ def _link_back(turn: _Turn, event: LinkBack) -> None:
     else:
         _member_exited(turn, MemberExited(node, report.exit_code, report.signal))
     if was_unconfirmed:
+        _maybe_check(turn)
         _maybe_assign(turn)
     _maybe_running(turn)
 
@@ -823,6 +940,16 @@ def _tick(turn: _Turn) -> None:
                 ),
                 [pair for m in late for pair in _with_everyone(turn.run, m.node)],
                 "DirectPathFailed",
+            )
+        elif turn.run.checking is not None:
+            late = [m for m in turn.run.members if m.checked is None]
+            _fence(
+                turn,
+                f"the members did not answer the check of node0's rendezvous within "
+                f"{MASTER_CHECK_BUDGET_S:.0f}s: "
+                + ", ".join(f"node{m.node} (worker {m.worker})" for m in late),
+                [pair for m in late for pair in _with_everyone(turn.run, m.node)],
+                "MasterUnreachable",
             )
         else:
             _fail(
@@ -981,8 +1108,9 @@ def _stop_members(turn: _Turn, cause: str) -> None:
         if not member.assigned:
             turn.set_member(member.node, MemberState.CANCELLED)
             turn.release(member.node)
-            if member.networked or member.probing:
-                # Its device or its probe endpoint comes down (the agent answers "absent").
+            if member.networked or member.probing or member.holding:
+                # Its device, its probe endpoint or the rendezvous port node 0 holds comes
+                # down (the agent answers "absent").
                 turn.emit(SendStop(member.worker, cause))
             continue
         if not member.started:

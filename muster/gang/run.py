@@ -87,6 +87,8 @@ class Member:
     probe_port: int | None = None  # PROBE_READY: where it listens for its peers' probes
     probed: tuple[object, ...] | None = None  # the pairs it measured (ProbePair), so far
     lost_peers: tuple[int, ...] = ()  # NET_PATH: peers it hears nothing from (direct path)
+    checked: tuple[str | None, str | None] | None = None  # MASTER_CHECKED: (torch, nccl)
+    holding: bool = False  # PREPARE_RENDEZVOUS was sent: node 0's agent may hold the port
 
     @property
     def may_be_alive(self) -> bool:
@@ -119,6 +121,8 @@ class GangRun:
     master_addr: str | None = None  # planned for node 0 (PREPARE_RENDEZVOUS)
     port: int | None = None  # the spec's rendezvous port
     published: tuple[str, int] | None = None  # node 0's addr:port
+    checking: tuple[str, int] | None = None  # node 0's addr:port, while every member dials it
+    check_sent: bool = False  # MASTER_CHECK went to every member
     timeout: int | None = None
     deadline: float | None = None  # job timeout, on step's clock
     grace_deadline: float | None = None  # set by ControllerRestarted

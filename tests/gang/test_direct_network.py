@@ -8,6 +8,7 @@ from muster.gang import (
     GangRun,
     KeepApart,
     LinkBack,
+    MasterChecked,
     MemberExited,
     MemberSnapshot,
     MemberStarted,
@@ -203,6 +204,8 @@ def running() -> GangRun:
     for node in range(3):
         run, _ = step(run, NetUp(node), 1)
     run, _ = step(run, PortPublished(0, "100.64.0.1", 29500), 2)
+    for node in range(3):
+        run, _ = step(run, MasterChecked(node, None, "2.13.0"), 2)
     for node in range(3):
         run, _ = step(run, MemberStarted(node), 3)
     assert run.job_state is J.RUNNING

@@ -21,13 +21,13 @@ from muster.gang import (
 )
 from muster.gang.lifecycle import HANG_STACKS_WAIT_S
 from muster.spec import JobState, PathClass
-from tests.gang.test_lifecycle import PUBLISHED, STARTED, W, run_through
+from tests.gang.test_lifecycle import CHECKED, PUBLISHED, STARTED, W, run_through
 
 PLACED = Placed("job1", 1, W, PathClass.PRIVATE, master_addr="10.0.0.1", hang_timeout=600)
 
 
 def running(fail_on_hang: bool) -> GangRun:
-    return run_through((replace(PLACED, fail_on_hang=fail_on_hang), PUBLISHED, *STARTED))
+    return run_through((replace(PLACED, fail_on_hang=fail_on_hang), PUBLISHED, *CHECKED, *STARTED))
 
 
 def hung(node: int, yes: bool = True) -> MemberHung:
@@ -104,7 +104,7 @@ def test_a_member_that_ends_while_the_rest_wait_leaves_a_hung_job() -> None:
 def test_no_hung_before_every_member_runs() -> None:
     """Node 0's torchrun waits in the rendezvous, silent and idle, while the others still
     prepare: not a hang."""
-    run = run_through((PLACED, PUBLISHED, STARTED[0]))
+    run = run_through((PLACED, PUBLISHED, *CHECKED, STARTED[0]))
     run, actions = step(run, hung(0), 700)
     assert not run.hung
     assert not any(isinstance(a, CaptureStacks) for a in actions)

@@ -16,6 +16,7 @@ from muster.gang import (
     GangRun,
     LinkBack,
     LinkLost,
+    MasterChecked,
     MemberExited,
     MemberReport,
     MemberSnapshot,
@@ -26,6 +27,7 @@ from muster.gang import (
     RecordEvent,
     ReleaseWorker,
     SendAssign,
+    SendMasterCheck,
     SendPrepareRendezvous,
     SendStop,
     SetCondition,
@@ -43,6 +45,7 @@ J, M, P = JobState, MemberState, GangPhase
 W = ("w0", "w1", "w2")
 PLACED = Placed("job1", 1, W, PathClass.PRIVATE, port=None, timeout=60, master_addr="10.0.0.1")
 PUBLISHED = PortPublished(0, "10.0.0.1", 29500)
+CHECKED = tuple(MasterChecked(n, None, "2.13.0", None) for n in range(3))
 STARTED = tuple(MemberStarted(n) for n in range(3))
 EXITED_0 = tuple(MemberExited(n, 0) for n in range(3))
 STORED = tuple(OutputsStored(n, ok=True) for n in range(3))
@@ -54,7 +57,8 @@ BOOM_CAUSE = (
 
 # Prefixes that bring a run to each phase (all at now=0; the timeout is 60 s).
 RENDEZVOUS: tuple[Event, ...] = (PLACED,)
-STARTING: tuple[Event, ...] = (*RENDEZVOUS, PUBLISHED)
+CHECKING: tuple[Event, ...] = (*RENDEZVOUS, PUBLISHED)
+STARTING: tuple[Event, ...] = (*CHECKING, *CHECKED)
 RUNNING: tuple[Event, ...] = (*STARTING, *STARTED)
 ALL_EXITED: tuple[Event, ...] = (*RUNNING, *EXITED_0)
 SUCCEEDED: tuple[Event, ...] = (*ALL_EXITED, *STORED)
@@ -91,6 +95,11 @@ def started(node: int) -> list[Action]:
 
 def cancel_unassigned(*nodes: int) -> list[Action]:
     return [a for n in nodes for a in (SetMemberState(n, M.CANCELLED), ReleaseWorker(W[n]))]
+
+
+def cancel_holding(cause: str, *others: int) -> list[Action]:
+    """Cancel the unassigned members; node 0, which holds the rendezvous port, is told."""
+    return [*cancel_unassigned(0), SendStop("w0", cause), *cancel_unassigned(*others)]
 
 
 def stop(cause: str, *nodes: int) -> list[Action]:
@@ -132,6 +141,24 @@ CASES = [
         RENDEZVOUS,
         PUBLISHED,
         0,
+        P.RENDEZVOUS,
+        [
+            RecordEvent(
+                "RendezvousCheck",
+                "epoch 1: every member dials node0's rendezvous at 10.0.0.1:29500 before any "
+                "rank starts",
+                {"addr": "10.0.0.1", "port": 29500},
+            ),
+            SendMasterCheck(0, "w0", None, 29500),
+            SendMasterCheck(1, "w1", "10.0.0.1", 29500),
+            SendMasterCheck(2, "w2", "10.0.0.1", 29500),
+        ],
+        id="rendezvous-node0-publishes-every-member-dials-it",
+    ),
+    pytest.param(
+        (*CHECKING, CHECKED[0], CHECKED[2]),
+        CHECKED[1],
+        0,
         P.STARTING,
         [
             SetRendezvous("10.0.0.1", 29500),
@@ -144,7 +171,7 @@ CASES = [
             *assigned(1),
             *assigned(2),
         ],
-        id="rendezvous-node0-publishes-assign-node0-first",
+        id="checking-the-last-member-reached-it-assign-node0-first",
     ),
     pytest.param(
         RENDEZVOUS, PortPublished(1, "10.0.0.2", 1), 0, P.RENDEZVOUS, [], id="rendezvous-node1-port"
@@ -174,7 +201,9 @@ CASES = [
                 FENCED_LOST_W1,
                 {"epoch": 1, "path": "private", "reason": "MemberLost", "apart": []},
             ),
-            *cancel_unassigned(0, 2),
+            *cancel_holding(
+                "node1 (worker w1) was lost before any rank started: no heartbeat for 30s", 2
+            ),
             SetJobState(J.QUEUED, FENCED_LOST_W1),
         ],
         id="rendezvous-member-lost-placed-again",
@@ -184,7 +213,7 @@ CASES = [
         Cancel(USER),
         0,
         P.CANCELLED,
-        [SetJobState(J.CANCELLED, USER), *cancel_unassigned(0, 1, 2)],
+        [SetJobState(J.CANCELLED, USER), *cancel_holding(USER, 1, 2)],
         id="rendezvous-cancel",
     ),
     pytest.param(RENDEZVOUS, Tick(), 60, P.RENDEZVOUS, [], id="rendezvous-tick-at-deadline"),
@@ -193,7 +222,7 @@ CASES = [
         Tick(),
         60.5,
         P.FAILED,
-        [SetJobState(J.FAILED, TIMEOUT), *cancel_unassigned(0, 1, 2)],
+        [SetJobState(J.FAILED, TIMEOUT), *cancel_holding(TIMEOUT, 1, 2)],
         id="rendezvous-timeout",
     ),
     # ---- starting: assigned, waiting for every member to start
@@ -599,10 +628,19 @@ def test_a_restored_gang_waits_for_every_member_before_it_assigns() -> None:
     run, actions = step(run, LinkBack("w0"), 1)
     assert actions == (SendPrepareRendezvous("w0", "10.0.0.1", 29500),)
     run, actions = step(run, PortPublished(0, "10.0.0.1", 29500), 2)
-    assert not [a for a in actions if isinstance(a, SendAssign)]  # w1, w2 not back yet
+    assert actions == ()  # w1, w2 not back yet: nobody dials node 0's port
     run, actions = step(run, LinkBack("w2"), 3)
     assert actions == ()
     run, actions = step(run, LinkBack("w1"), 4)
+    assert [a for a in actions if isinstance(a, SendMasterCheck)] == [
+        SendMasterCheck(0, "w0", None, 29500),
+        SendMasterCheck(1, "w1", "10.0.0.1", 29500),
+        SendMasterCheck(2, "w2", "10.0.0.1", 29500),
+    ]
+    for event in CHECKED[:2]:
+        run, actions = step(run, event, 5)
+        assert actions == ()
+    run, actions = step(run, CHECKED[2], 5)
     assert [a for a in actions if isinstance(a, SendAssign)] == [
         SendAssign(0, "w0"),
         SendAssign(1, "w1"),
@@ -721,3 +759,63 @@ def test_an_alive_member_the_store_never_saw_assigned_is_taken_as_running() -> N
         run, _ = step(run, LinkBack(worker, (report,)), 1.0)
     assert run.phase is P.RUNNING
     assert all(m.assigned and m.started for m in run.members)
+
+
+# ---- before any rank starts: every member dials node 0's held port, versions agree ---------
+
+
+def test_a_member_that_cannot_reach_node0s_port_fences_the_epoch_before_any_rank_starts() -> None:
+    run = run_through((*CHECKING, CHECKED[0], CHECKED[2]))
+    refused = MasterChecked(1, "Connection refused", "2.13.0", None)
+    run, actions = step(run, refused, 1)
+    assert run.phase is P.FENCED
+    assert not [a for a in actions if isinstance(a, SendAssign)]
+    fenced = next(a for a in actions if isinstance(a, RecordEvent) and a.kind == "EpochFenced")
+    assert fenced.data["reason"] == "MasterUnreachable"
+    assert fenced.data["apart"] == [["w0", "w1"]]
+    assert fenced.message.startswith(
+        "epoch 1 fenced: node1 (worker w1) cannot reach node0's rendezvous at 10.0.0.1:29500 "
+        "(worker w0): Connection refused; let TCP port 29500 of node0 in from the gang's members"
+    ), fenced.message
+    # node 0 lets its held port go; every member goes back, nothing of the user's ran
+    assert SendStop("w0", fenced.message.split("fenced: ")[1].split("; placing")[0]) in actions
+
+
+def test_members_on_different_torch_fail_the_job_naming_the_odd_one() -> None:
+    run = run_through((*CHECKING, CHECKED[0], MasterChecked(2, None, "2.13.0", None)))
+    run, actions = step(run, MasterChecked(1, None, "2.12.1", None), 1)
+    assert run.job_state is J.FAILED
+    assert run.reason == (
+        "the members' torch differs: node1 (worker w1) runs torch 2.12.1, the others torch "
+        "2.13.0: install torch==2.13.0 in every member's Python (`muster agent --python`)"
+    )
+    assert not [a for a in actions if isinstance(a, SendAssign)]
+
+
+def test_nccl_is_compared_where_known_and_unknown_versions_are_not_a_mismatch() -> None:
+    nccl = (
+        MasterChecked(0, None, "2.13.0", "2.27.3"),
+        MasterChecked(1, None, "2.13.0", None),  # a CPU build: NCCL not known
+        MasterChecked(2, None, None, "2.21.5"),
+    )
+    run = run_through((*CHECKING, *nccl))
+    assert run.job_state is J.FAILED
+    assert run.reason.startswith(
+        "the members' NCCL differs: node2 (worker w2) runs NCCL 2.21.5, the others NCCL 2.27.3"
+    ), run.reason
+    run = run_through((*CHECKING, *nccl[:2], MasterChecked(2, None, None, None)))
+    assert run.phase is P.STARTING
+
+
+def test_node0_does_not_dial_its_own_port_and_a_silent_member_fences_at_the_budget() -> None:
+    run = run_through((*CHECKING, MasterChecked(0, "ignored", "2.13.0"), CHECKED[1]))
+    assert run.checking is not None
+    assert run.phase is P.RENDEZVOUS
+    run, actions = step(run, Tick(), 29)
+    assert actions == ()
+    run, actions = step(run, Tick(), 31)
+    assert run.phase is P.FENCED
+    fenced = next(a for a in actions if isinstance(a, RecordEvent) and a.kind == "EpochFenced")
+    assert "did not answer the check of node0's rendezvous within 30s: node2 (worker w2)" in (
+        fenced.message
+    )

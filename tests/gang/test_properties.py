@@ -24,6 +24,7 @@ from muster.gang import (
     GangRun,
     LinkBack,
     LinkLost,
+    MasterChecked,
     MemberExited,
     MemberReport,
     MemberSnapshot,
@@ -33,6 +34,7 @@ from muster.gang import (
     PortPublished,
     ReleaseWorker,
     SendAssign,
+    SendMasterCheck,
     SendPrepareRendezvous,
     SendStop,
     SetJobState,
@@ -55,6 +57,7 @@ class Agent:
     node: int
     connected: bool = True
     prepared: bool = False
+    asked: bool = False  # got MASTER_CHECK and has not answered it
     holds: bool = False  # got ASSIGN and has not finished (exit and upload) or restarted
     started: bool = False
     exit: tuple[int, str | None] | None = None
@@ -169,6 +172,9 @@ class World:
                 if agent.connected:  # a send without a link is dropped
                     agent.prepared = agent.prepared or isinstance(action, SendPrepareRendezvous)
                     agent.holds = agent.holds or isinstance(action, SendAssign)
+            if isinstance(action, SendMasterCheck):
+                agent = self.agents[action.node]
+                agent.asked = agent.asked or agent.connected
 
     def choices(self, calm: int) -> list[tuple[str, int, int]]:
         """Every move a real agent, clock, user or operator could make now; the moves of a
@@ -181,6 +187,8 @@ class World:
                 moves.append(("lose", a.node, 0))
                 if a.node == 0 and a.prepared:
                     moves += [("publish", 0, 0)] * calm
+                if a.asked:
+                    moves += [("checked", a.node, 0)] * calm + [("checked", a.node, 1)]
             else:
                 moves.append(("back", a.node, 0))
                 if a.holds:
@@ -208,6 +216,9 @@ class World:
             self.apply(PortPublished(node, "10.0.0.9", 1234))
         elif kind == "publish":
             self.apply(PortPublished(0, "10.0.0.1", 29500))
+        elif kind == "checked":  # 1: it could not reach node 0's port
+            agent.asked = False
+            self.apply(MasterChecked(node, "connection refused" if arg else None, "2.13.0"))
         elif kind == "lose":
             agent.connected = False
             self.apply(LinkLost(agent.worker, "no heartbeat"))
@@ -301,6 +312,8 @@ def test_random_event_orders_keep_the_invariants(
 def test_a_happy_gang_succeeds_in_any_start_and_exit_order() -> None:
     world = World(3, None)
     world.move("publish", 0, 0)
+    for node in (1, 0, 2):
+        world.move("checked", node, 0)
     for node in (2, 0, 1):
         world.move("start", node, 0)
     for node in (1, 2, 0):

@@ -143,6 +143,8 @@ def test_real_agents_on_rig_hosts_run_a_two_node_job(rig: Rig, tmp_path: Path) -
     published = [e for e in job["events"] if e["kind"] == "RendezvousPublished"]
     assert published, job["events"]
     assert node0.address in published[0]["message"], published
+    checked = [e for e in job["events"] if e["kind"] == "RendezvousCheck"]
+    assert checked, "every member dialled node 0's port before any rank started"
     lines = rig.api("logs", job_id)["lines"]  # ~100 lines: one page
     for rank in range(4):
         mine = [ln["text"] for ln in lines if ln["origin"] == "rank" and ln["rank"] == rank]
@@ -190,6 +192,46 @@ def test_a_private_path_the_probe_cannot_cross_is_placed_again_as_direct(
     for rank in range(4):
         mine = [ln["text"] for ln in lines if ln["origin"] == "rank" and ln["rank"] == rank]
         assert mine.count("all_reduce sum=10 expected=10 ok") == 1, f"rank {rank}: {mine[:5]}"
+
+
+def test_a_rendezvous_port_the_members_cannot_reach_fences_the_epoch_before_any_rank_starts(
+    rig: Rig, tmp_path: Path
+) -> None:
+    """Both hosts drop TCP to port 29555 arriving on the private network, and the job fixes
+    its rendezvous there. The probe passes (its own ports are open), but node 1 cannot dial
+    the port node 0 holds: the epoch is fenced before any torchrun starts, naming the member,
+    the port and the fix, and the gang is placed again on the direct path, where it runs."""
+    needs("nft", "wg", "wireguard-go")
+    h1, h2 = rig.one_region(2)
+    for host in (h1, h2):
+        rig.nft(
+            host,
+            "table ip rig_block {\n  chain input { type filter hook input priority -10; "
+            'iifname "eth0" tcp dport 29555 drop; }\n}\n',
+        )
+    ctl = rig.start_cluster((h1, h2))
+    job_file = ddp_example(tmp_path)
+    job = yaml.safe_load(job_file.read_text())
+    job["distributed"]["rendezvous"] = {"port": 29555}
+    job_file.write_text(yaml.safe_dump(job))
+    job_id = rig.muster(ctl, "submit", str(job_file)).strip()
+    job = rig.wait_done(job_id, timeout=240)
+    assert job["state"] == "succeeded", job["root_cause"]
+    fenced = [e for e in job["events"] if e["kind"] == "EpochFenced"]
+    assert [f["data"]["reason"] for f in fenced] == ["MasterUnreachable"], job["events"]
+    assert re.search(
+        r"node1 \(worker h[12]\) cannot reach node0's rendezvous at 10\.\S+:29555 \(worker "
+        r"h[12]\): no answer within 10s \(a firewall drops it, or no route\); let TCP port 29555",
+        fenced[0]["message"],
+    ), fenced[0]["message"]
+    placed = [e["data"] for e in job["events"] if e["kind"] == "Placed"]
+    assert [(p["epoch"], p["path"]) for p in placed] == [(1, "private"), (2, "direct")]
+    lines = rig.api("logs", job_id)["lines"]
+    for rank in range(4):  # no rank started in epoch 1: each ran once, in epoch 2
+        mine = [ln["text"] for ln in lines if ln["origin"] == "rank" and ln["rank"] == rank]
+        assert mine.count("all_reduce sum=10 expected=10 ok") == 1, f"rank {rank}: {mine[:5]}"
+    assigned = [e for e in job["events"] if e["kind"] == "Assigned"]
+    assert len(assigned) == 2, "no member of epoch 1 was assigned: torchrun never started there"
 
 
 HOLD = """
