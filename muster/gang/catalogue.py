@@ -9,16 +9,19 @@ I/O. Each entry has a test that replays a sample in the real format of the messa
 
 A rank killed with SIGKILL brings the kernel's OOM-killer lines about its pid along where its
 agent may read the kernel log (muster.agent.hang.KernelLog); without them a silent SIGKILL is
-named as the OOM killer's likely mark. Not here yet: a rank that hung (that is the ``Hung``
-condition), NCCL falling back to sockets where a fabric was expected (``muster
-verify-fabric`` reads the banners), the relayed path's shim not loaded.
+named as the OOM killer's likely mark. NCCL on TCP sockets is no failure of its own, but
+where an NCCL collective timed out and the rank's lines carry NCCL's ``Using network Socket``
+banner (the line ``muster verify-fabric`` reads) on a path that did not ask for sockets, the
+fix says so: a fabric whose plugin did not load turns a collective that fits its timeout
+into one that does not. Not here yet: a rank that hung (that is the ``Hung`` condition), the
+relayed path's shim not loaded (with the relayed path).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -151,10 +154,38 @@ KILLED = Entry(
 )
 
 
-def classify(tail: Sequence[str], signal: str | None = None) -> Diagnosis | None:
+# NCCL's banner at init, at NCCL_DEBUG=INFO: the network its collectives use.
+SOCKETS_BANNER = re.compile(r"NCCL INFO Using network Socket\b")
+SOCKETS_NOTE = (
+    "NCCL ran over TCP sockets on this rank (its banner says 'Using network Socket'): where "
+    "the hosts have InfiniBand, RoCE, EFA or TCPX, NCCL's plugin for it did not load (the "
+    "image's rdma-core or aws-ofi-nccl, NCCL_IB_DISABLE, NCCL_NET), and a collective a fabric "
+    "finishes in time can outlast the timeout on TCP; on Kubernetes `muster verify-fabric` "
+    "reads every rank's banner"
+)
+_NCCL_ENTRIES = ("NCCL watchdog timeout",)
+
+
+def classify(
+    tail: Sequence[str], signal: str | None = None, *, sockets_expected: bool = False
+) -> Diagnosis | None:
     """The catalogue entry the failure matches: the newest line that any entry matches
     decides (the first entry in table order, on that line); a SIGKILL with no such line
-    is the OOM killer's mark. None when nothing is known."""
+    is the OOM killer's mark. None when nothing is known. An NCCL failure on a rank whose
+    lines say NCCL fell back to sockets adds that to the fix, unless the path asked for
+    sockets (``sockets_expected``: muster's direct and relayed paths set NCCL_NET=Socket)."""
+    found = _classify(tail, signal)
+    if (
+        found is not None
+        and found.name in _NCCL_ENTRIES
+        and not sockets_expected
+        and any(SOCKETS_BANNER.search(line) for line in tail)
+    ):
+        found = replace(found, fix=f"{found.fix}. Also: {SOCKETS_NOTE}")
+    return found
+
+
+def _classify(tail: Sequence[str], signal: str | None) -> Diagnosis | None:
     # A Python failure ends with its traceback: read from the last one on, so an error the
     # program caught and logged earlier (an OOM a batch-size finder retried) is not taken
     # for the one that ended it.

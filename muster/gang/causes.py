@@ -6,15 +6,18 @@ from muster.gang.catalogue import classify
 from muster.gang.events import MemberExited
 
 
-def root_cause(node: int, worker: str, exited: MemberExited) -> str:
-    """The job's root cause for a member that exited non-zero (the text users see)."""
+def root_cause(
+    node: int, worker: str, exited: MemberExited, *, sockets_expected: bool = False
+) -> str:
+    """The job's root cause for a member that exited non-zero (the text users see);
+    ``sockets_expected``: the gang's path runs NCCL over TCP sockets on purpose."""
     rank = exited.failed_rank
     code = exited.failed_exit if exited.failed_exit is not None else exited.exit_code
     who = f"global rank {rank}" if rank is not None else "torchrun"
     how = f"was killed by {exited.signal}" if exited.signal else f"exited with code {code}"
     cause = f"node{node} (worker {worker}): {who} {how}"
     tail = [str(line) for line in exited.tail][-20:]
-    named = classify(tail, exited.signal)
+    named = classify(tail, exited.signal, sockets_expected=sockets_expected)
     if named is not None:  # a failure the catalogue knows: its name and the fix
         cause += "\n" + named.text()
     if tail:

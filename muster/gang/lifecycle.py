@@ -777,7 +777,9 @@ def _member_exited(turn: _Turn, event: MemberExited) -> None:
     turn.set_member(node, state, exit_code=code, signal=event.signal)
     turn.release(node)
     if code != 0 and not over:
-        _fail(turn, JobState.FAILED, root_cause(node, member.worker, event))
+        sockets = turn.run.path in (PathClass.DIRECT, PathClass.RELAYED)
+        cause = root_cause(node, member.worker, event, sockets_expected=sockets)
+        _fail(turn, JobState.FAILED, cause)
     else:
         if turn.run.degraded and not turn.run.is_over:
             _degraded(turn, node)  # its device went with it: nobody misses it any more

@@ -116,3 +116,26 @@ def test_an_error_caught_before_the_last_traceback_is_not_the_cause() -> None:
     oom, _ = SAMPLES["CUDA out of memory"]
     tail = [TRACE, oom, "batch 64 too big, retrying with 32", TRACE, "ValueError: my bug"]
     assert classify(tail) is None
+
+
+# NCCL 2.2x's banner at NCCL_DEBUG=INFO, as a rank prints it (host:pid:tid [device]).
+SOCKET_BANNER = "gpu-node-1:4711:4790 [0] NCCL INFO Using network Socket"
+IB_BANNER = "gpu-node-1:4711:4790 [0] NCCL INFO Using network IB"
+
+
+def test_an_nccl_timeout_on_a_rank_that_fell_back_to_sockets_says_so() -> None:
+    watchdog, _ = SAMPLES["NCCL watchdog timeout"]
+    named = classify([SOCKET_BANNER, "step 1", watchdog])
+    assert named is not None
+    assert named.name == "NCCL watchdog timeout"
+    assert "Also: NCCL ran over TCP sockets on this rank" in named.fix
+    # on a fabric, or on muster's direct path (NCCL_NET=Socket on purpose): no such note
+    assert "TCP sockets" not in classify([IB_BANNER, watchdog]).fix  # type: ignore[union-attr]
+    quiet = classify([SOCKET_BANNER, watchdog], sockets_expected=True)
+    assert quiet is not None
+    assert "TCP sockets" not in quiet.fix
+    # the banner alone is no failure, and does not name one
+    assert classify([SOCKET_BANNER, "ValueError: mine"]) is None
+    exited = MemberExited(node=1, exit_code=1, failed_rank=3, tail=(SOCKET_BANNER, watchdog))
+    assert "TCP sockets" in root_cause(1, "w1", exited)
+    assert "TCP sockets" not in root_cause(1, "w1", exited, sockets_expected=True)
