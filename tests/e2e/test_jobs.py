@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import re
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -124,6 +126,69 @@ def test_fail_fast_names_rank_3_and_leaves_no_process(
     states = {m["node_rank"]: m["state"] for m in final["members"]}
     assert states[1] == "failed"
     # Workers come back for the next job.
+    cluster.wait_for_workers(2, timeout=30)
+
+
+# Real failures, each as torch or Python words it (gloo CPU, 2 nodes x 1 rank), and the name
+# and fix the catalogue gives them (muster.gang.catalogue; samples in tests/gang).
+CATALOGUED = {
+    "gloo collective timed out": (
+        "import datetime, time, torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo', timeout=datetime.timedelta(seconds=3))\n"
+        "if dist.get_rank() == 1:\n"
+        "    time.sleep(60)\n"
+        "dist.all_reduce(torch.ones(1))\n",
+        "a gloo recv waited 3000 ms",
+        0,
+    ),
+    "world size or rank mismatch": (
+        "import torch.distributed as dist\n"
+        "from torch.utils.data import DistributedSampler\n"
+        "dist.init_process_group('gloo')\n"
+        "if dist.get_rank() == 1:\n"
+        "    DistributedSampler(list(range(8)), num_replicas=1, rank=1)\n"
+        "import time; time.sleep(60)\n",
+        "rank 1 was given a world of 0 + 1",
+        1,
+    ),
+    "address already in use": (
+        "import os, socket, time\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    time.sleep(1)  # rank 0 binds first\n"
+        "s = socket.socket(); s.bind(('127.0.0.1', int(os.environ['FIXED_PORT']))); s.listen()\n"
+        "time.sleep(60)\n",
+        "a port this rank listens on was taken",
+        1,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CATALOGUED))
+def test_each_catalogued_failure_is_named_with_its_fix_soon_after_the_rank_exits(
+    cluster: LocalCluster, tmp_path: Path, name: str
+) -> None:
+    script, what, rank = CATALOGUED[name]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    api = cluster.client()
+    job_file = write_job(
+        tmp_path / "c",
+        "catalogued",
+        script,
+        env={"FIXED_PORT": str(port)},
+        distributed={"num_workers": 2, "procs_per_worker": 1, "backend": "gloo"},
+    )
+    job_id = submit(api, job_file)
+    job = wait_state(api, job_id, timeout=90)
+    assert job["state"] == "failed", job
+    cause = job["root_cause"]
+    assert f"global rank {rank} exited with code 1" in cause, cause
+    assert f"\n{name}: {what}" in cause, cause
+    assert "\nfix: " in cause, cause
+    last = max(ln["time"] for ln in all_lines(api, job_id) if ln["rank"] == rank)
+    named = datetime.fromisoformat(job["finished_at"]).timestamp()
+    assert named - last < 10, (last, job["finished_at"])
     cluster.wait_for_workers(2, timeout=30)
 
 
