@@ -130,6 +130,11 @@ class _Shipper:
         waiting = sum(len(q) for q in self.pending.values())
         return waiting + sum(len(lines) for _job, lines in self.unacked.values())
 
+    def held(self, job: str) -> int:
+        """The job's lines not yet stored by the controller (waiting or unacked)."""
+        waiting = len(self.pending.get(job) or ())
+        return waiting + sum(len(lines) for j, lines in self.unacked.values() if j == job)
+
     def add(self, job: str, lines: list[Line]) -> None:
         queue = self.pending.get(job)
         if queue is None:
@@ -635,6 +640,7 @@ class Agent:
             may_read=lambda: self.shipper.backlog() < MAX_BACKLOG_LINES,
             host_env=self.config.host_env,
             release_port=lambda: self.holds.release(job),
+            logs_held=lambda: self.shipper.held(job),
         )
         if job in self.members:
             log.warning("ignoring a second ASSIGN for %s", job)

@@ -57,6 +57,7 @@ Spawn = Callable[..., Awaitable[asyncio.subprocess.Process]]
 POLL_S = 0.05
 REAPER_DELAY_S = 5.0
 UPLOAD_PATIENCE_S = 600.0  # how long an upload waits for an unreachable controller
+LOGS_DRAIN_S = 30.0  # how long an exit report waits for the member's lines to be stored
 
 
 class MemberRun:
@@ -80,10 +81,13 @@ class MemberRun:
         may_read: Callable[[], bool] = lambda: True,
         host_env: dict[str, str] | None = None,
         release_port: Callable[[], None] = lambda: None,
+        logs_held: Callable[[], int] = lambda: 0,
     ) -> None:
         self.job = str(assignment["job"])
         # Node 0's agent holds the rendezvous port until torchrun is about to take it.
         self.release_port = release_port
+        # The member's lines the controller has not stored yet: its exit waits for them.
+        self.logs_held = logs_held
         # What only this box knows (a walk-in's data path, its GPU's share of RAM): it rides
         # the assignment into the ranks' environment, over anything the job said.
         self.host_env = dict(host_env or {})
@@ -304,6 +308,12 @@ class MemberRun:
             tail += kernel_oom_lines(texts, pids)
         if self.kernel_log is not None:
             self.kernel_log.close()
+        # Every line first, then the exit: a job the controller calls over has all of its
+        # output stored (`muster logs` right after success misses nothing). Bounded, and
+        # not while the link is down (the lines and the report wait for the next one alike).
+        deadline = time.monotonic() + LOGS_DRAIN_S
+        while self.logs_held() and self.link_up.is_set() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
         await self._exited(
             {
                 "exit_code": code,
