@@ -182,6 +182,7 @@ class Agent:
             path_timeout=config.path_timeout,
             handshake_timeout=config.handshake_timeout,
             device=config.device,
+            python=config.python,
         )
 
     # ---- dialing -------------------------------------------------------------------------
@@ -612,8 +613,12 @@ class Agent:
     async def _master_check(self, body: dict[str, Any]) -> None:
         """MASTER_CHECK: dial node 0's held port and read the job Python's versions."""
         addr = body.get("addr")
+        relayed = self.network.relayed.shim_for(str(body.get("job")))  # through the relays
         found = await rendezvous.check(
-            self.config.python, str(addr) if addr else None, int(body.get("port") or 0)
+            self.config.python,
+            str(addr) if addr else None,
+            int(body.get("port") or 0),
+            via=relayed.socks if relayed is not None else None,
         )
         ids = {k: body.get(k) for k in ("job", "epoch", "node_rank")}
         await self.send(Kind.MASTER_CHECKED, {**ids, **found})
@@ -640,6 +645,7 @@ class Agent:
             may_read=lambda: self.shipper.backlog() < MAX_BACKLOG_LINES,
             host_env=self.config.host_env,
             release_port=lambda: self.holds.release(job),
+            shim=self.network.relayed.shim_for(job),
             logs_held=lambda: self.shipper.held(job),
         )
         if job in self.members:

@@ -43,7 +43,7 @@ from muster.agent.reaper import terminate
 from muster.errors import InfrastructureError
 from muster.net import cgroup
 from muster.net.cgroup import RankGroup
-from muster.plan import GangAddressing, launch_env, rank_plan, torchrun_argv
+from muster.plan import GangAddressing, Shim, launch_env, rank_plan, torchrun_argv
 from muster.plan.env import DIAG_DIR_ENV, flight_recorder_on
 from muster.spec import JobSpec, PathClass
 from muster.wire import Kind
@@ -82,10 +82,12 @@ class MemberRun:
         host_env: dict[str, str] | None = None,
         release_port: Callable[[], None] = lambda: None,
         logs_held: Callable[[], int] = lambda: 0,
+        shim: Shim | None = None,
     ) -> None:
         self.job = str(assignment["job"])
         # Node 0's agent holds the rendezvous port until torchrun is about to take it.
         self.release_port = release_port
+        self.shim = shim  # the relayed path's preload and SOCKS5 endpoint
         # The member's lines the controller has not stored yet: its exit waits for them.
         self.logs_held = logs_held
         # What only this box knows (a walk-in's data path, its GPU's share of RAM): it rides
@@ -179,7 +181,12 @@ class MemberRun:
             capture_dir=str(capture_dir),
         )
         env = launch_env(
-            self.spec, self.node, addressing, node_env=os.environ, output_dir=str(out_dir)
+            self.spec,
+            self.node,
+            addressing,
+            node_env=os.environ,
+            shim=self.shim,
+            output_dir=str(out_dir),
         )
         env.update(self.host_env)
         if flight_recorder_on(env):

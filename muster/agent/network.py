@@ -21,6 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from muster.agent.relayed import RelayedNetwork
 from muster.net import cgroup, firewall
 from muster.net.endpoint import public_endpoint
 from muster.net.probe import (
@@ -33,7 +34,7 @@ from muster.net.probe import (
 )
 from muster.net.wireguard import Device, Peer, device_unavailable
 from muster.plan import MESH_PREFIX
-from muster.spec import MESH_INTERFACE
+from muster.spec import MESH_INTERFACE, PathClass
 from muster.wire import Kind
 
 log = logging.getLogger("muster.agent")
@@ -57,8 +58,10 @@ class GangNetwork:
         path_timeout: float = 60.0,
         handshake_timeout: float = HANDSHAKE_TIMEOUT_S,
         device: str = MESH_INTERFACE,
+        python: str = "python3",
     ) -> None:
         self.send = send
+        self.relayed = RelayedNetwork(send, python)  # the relayed path's endpoints
         self.path_timeout = path_timeout
         self.handshake_timeout = handshake_timeout
         self.firewall = firewall.Firewall(worker_id)
@@ -80,6 +83,9 @@ class GangNetwork:
         self.probe_job: tuple[str, object] | None = None  # (job, epoch) whose endpoint is open
 
     async def setup(self, body: dict[str, Any]) -> None:
+        if body.get("path") == PathClass.RELAYED.value:
+            await self.relayed.setup(body)
+            return
         ids = {k: body.get(k) for k in ("job", "epoch", "node_rank")}
         why = device_unavailable()
         public: tuple[str, int] | None = None
@@ -124,6 +130,9 @@ class GangNetwork:
         """Give the device its peers, then wait (bounded) until a WireGuard handshake with
         every one of them proves the path: NET_UP, or NET_READY with the peers that never
         answered (the controller fails the epoch naming them)."""
+        if body.get("path") == PathClass.RELAYED.value:
+            await self.relayed.set_peers(body)
+            return
         ids = {k: body.get(k) for k in ("job", "epoch", "node_rank")}
         if self.owner != (str(body.get("job")), body.get("epoch")):
             log.warning("NET_PEERS for job %s, whose device is not up here", ids["job"])
@@ -174,6 +183,7 @@ class GangNetwork:
         ``closing``: the agent stops, and makes no device after this."""
         if closing:
             self.closed = True
+        await self.relayed.down(job, epoch)
         async with self._lock:
             owner = self.owner
             if owner is None or (job is not None and owner[0] != job):

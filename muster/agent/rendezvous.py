@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import json
 import logging
 import os
@@ -96,9 +97,36 @@ class Holds:
             self.release(job)
 
 
-async def dial(addr: str, port: int, within: float = DIAL_S) -> str | None:
+async def _open(addr: str, port: int, via: str | None) -> asyncio.StreamWriter:
+    """A TCP connection to addr:port: directly, or through the SOCKS5 endpoint ``via``
+    (host:port; the relayed path's, muster.net.relayed), as the ranks' shim would."""
+    if via is None:
+        _reader, writer = await asyncio.open_connection(addr, port)
+        return writer
+    host, _, socks_port = via.rpartition(":")
+    reader, writer = await asyncio.open_connection(host, int(socks_port))
+    try:
+        writer.write(b"\x05\x01\x00")
+        if await reader.readexactly(2) != b"\x05\x00":
+            raise ConnectionRefusedError(111, "the relayed endpoint refused the handshake")
+        packed = ipaddress.ip_address(addr).packed
+        kind = b"\x01" if len(packed) == 4 else b"\x04"
+        writer.write(b"\x05\x01\x00" + kind + packed + port.to_bytes(2, "big"))
+        reply = await reader.readexactly(4)
+        await reader.readexactly(6 if reply[3] == 1 else 18)
+    except (asyncio.IncompleteReadError, ValueError) as exc:
+        writer.close()
+        raise ConnectionResetError(104, f"the relayed endpoint: {exc}") from exc
+    if reply[1] != 0:
+        writer.close()
+        raise ConnectionRefusedError(111, "Connection refused (through the relays)")
+    return writer
+
+
+async def dial(addr: str, port: int, within: float = DIAL_S, via: str | None = None) -> str | None:
     """None when a TCP connection to addr:port opens within ``within`` seconds (tried again
-    after a refusal or a network error, until then); else why not."""
+    after a refusal or a network error, until then); else why not. ``via``: through that
+    SOCKS5 endpoint (the relayed path)."""
     deadline = time.monotonic() + within
     why = "no answer"
     while True:
@@ -106,7 +134,7 @@ async def dial(addr: str, port: int, within: float = DIAL_S) -> str | None:
         if left <= 0:
             return why
         try:
-            _reader, writer = await asyncio.wait_for(asyncio.open_connection(addr, port), left)
+            writer = await asyncio.wait_for(_open(addr, port, via), left)
         except TimeoutError:
             return f"no answer within {within:.0f}s (a firewall drops it, or no route)"
         except OSError as exc:
@@ -150,10 +178,10 @@ async def versions(python: str, within: float = VERSIONS_S) -> dict[str, str | N
     return {k: str(found[k]) if found.get(k) else None for k in unknown}
 
 
-async def check(python: str, addr: str | None, port: int) -> dict[str, Any]:
+async def check(python: str, addr: str | None, port: int, via: str | None = None) -> dict[str, Any]:
     """MASTER_CHECKED's body (without the ids): the dial's error (node 0 does not dial) and
-    the versions, read at the same time."""
+    the versions, read at the same time. ``via``: the relayed path's SOCKS5 endpoint."""
     if addr is None:
         return {"error": None, **await versions(python)}
-    error, found = await asyncio.gather(dial(addr, port), versions(python))
+    error, found = await asyncio.gather(dial(addr, port, via=via), versions(python))
     return {"error": error, **found}

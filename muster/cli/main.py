@@ -66,6 +66,7 @@ def load_commands() -> typer.Typer:
         logs,
         plan,
         publish,
+        relay,
         server,
         stacks,
         token,

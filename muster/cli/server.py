@@ -11,6 +11,7 @@ import uvicorn
 
 from muster.cli.gc import parse_retention
 from muster.cli.main import app, err, reports_errors
+from muster.cli.relay import host_port, read_secret
 from muster.controller.app import ControllerConfig, create_app
 from muster.controller.auth import is_loopback
 from muster.controller.links import LINK_MAX_BYTES
@@ -44,6 +45,12 @@ def server(
     retention_logs: bool = typer.Option(
         False, "--retention-logs", help="with --retention, delete those jobs' log lines too"
     ),
+    relay: list[str] = typer.Option(
+        [], "--relay", help="a `muster relay` (HOST:PORT) for the relayed path; repeat for two"
+    ),
+    relay_secret_file: Path = typer.Option(
+        None, help="the secret shared with the relays (the file their --secret-file reads)"
+    ),
 ) -> None:
     """Run the controller: HTTP API, agents' control links and /metrics on one port."""
     if heartbeat_timeout <= heartbeat_interval:
@@ -51,6 +58,8 @@ def server(
     if max_bundle_mb < 1 or max_artifact_mb < 1:
         raise UserError("--max-bundle-mb and --max-artifact-mb must be at least 1")
     keep_for = parse_retention(retention, "--retention")
+    relays = tuple(host_port(r, "--relay") for r in relay)
+    secret = read_secret(relay_secret_file, "--relay-secret-file") if relays else b""
     store = open_store(db)
     loopback = is_loopback(host)
     if tls is None:
@@ -72,6 +81,8 @@ def server(
         max_bundle_bytes=max_bundle_mb << 20,
         max_artifact_bytes=max_artifact_mb << 20,
         port=port,
+        relays=relays,
+        relay_secret=secret,
     )
     application = create_app(config)
     if keep_for:

@@ -29,6 +29,7 @@ from muster.controller.links import (
 from muster.controller.metrics import Metrics
 from muster.controller.reflector import start_reflector
 from muster.errors import MusterError, SpecError
+from muster.spec import PathClass
 from muster.store import Store
 from muster.wire import Kind
 
@@ -47,6 +48,8 @@ class ControllerConfig:
     max_artifact_bytes: int = 8 << 30
     restart_grace: float | None = None  # default: 3 heartbeat timeouts
     port: int = 0  # for the lease record: who holds this database
+    relays: tuple[tuple[str, int], ...] = ()  # `muster relay`s for the relayed path
+    relay_secret: bytes = b""  # the secret they share with this controller
 
 
 def create_app(config: ControllerConfig) -> FastAPI:
@@ -61,6 +64,9 @@ def create_app(config: ControllerConfig) -> FastAPI:
     controller = Controller(
         store, metrics, config.heartbeat_timeout, tickets, restart_grace=config.restart_grace
     )
+    if config.relays:
+        controller.relays, controller.relay_secret = config.relays, config.relay_secret
+        controller.supported_paths = controller.supported_paths | {PathClass.RELAYED}
     creds = credentials(store)
     needs_auth = config.tls or not is_loopback(config.host)
 

@@ -77,6 +77,7 @@ from muster.gang import (
     step,
 )
 from muster.gang.lifecycle import probe_budget
+from muster.net.relaywire import issue_ticket
 from muster.plan import MESH_GANGS, MESH_MAX_NODES, MESH_PREFIX, gang_addressing, mesh_address
 from muster.scheduler import IP_COLLISION, Placement, PoolIndex, QueuedJob, schedule
 from muster.spec import (
@@ -106,9 +107,10 @@ from muster.wire import Frame, Kind, open_worker_id
 log = logging.getLogger("muster.controller")
 T = TypeVar("T")
 
-# The path classes this controller sets up. Direct (WireGuard) and relayed come with the
-# gang networking issues; until then a gang that would need them waits, saying so.
+# The path classes this controller sets up; relayed too once it knows relays (`muster server
+# --relay`). A gang that would need one it does not waits, saying so.
 SUPPORTED_PATHS = frozenset({PathClass.PRIVATE, PathClass.DIRECT})
+RELAY_TICKETS = 8  # per member and relay in NET_PEERS: each admits one (re)dial
 RESTART_GRACE_HEARTBEATS = 3  # after a restart, runs wait this many heartbeat timeouts
 _SENDS = (
     SendNetSetup,
@@ -165,6 +167,8 @@ class Controller:
         self.exiting = False  # set when the controller stops: links going down lose nobody
         self._closing: set[asyncio.Task[None]] = set()
         self.supported_paths = SUPPORTED_PATHS
+        self.relays: tuple[tuple[str, int], ...] = ()  # muster relays the relayed path uses
+        self.relay_secret = b""  # shared with them: the tickets' MAC key
         self.windows = WindowDesk(self)  # join windows of membership: window jobs
         self.stacks = StackDesk(self)  # muster stacks: the ranks' Python stacks
 
@@ -263,7 +267,18 @@ class Controller:
                 lost.append((worker, f"it had no control link when {kind.name} was sent"))
 
         for action in sends:
-            if isinstance(action, SendNetSetup):
+            if isinstance(action, SendNetSetup) and run.path is PathClass.RELAYED:
+                if entry.join_keys is None or entry.join_keys.epoch != epoch:
+                    entry.join_keys = JoinKeys(epoch)
+                setup = {
+                    "job": job,
+                    "epoch": epoch,
+                    "node_rank": action.node,
+                    "path": PathClass.RELAYED.value,
+                    "join_key": entry.join_keys.issue(action.node),
+                }
+                await send(action.worker, Kind.NET_SETUP, setup)
+            elif isinstance(action, SendNetSetup):
                 if entry.join_keys is None or entry.join_keys.epoch != epoch:
                     entry.join_keys = JoinKeys(epoch)
                 setup = {
@@ -275,6 +290,8 @@ class Controller:
                     "join_key": entry.join_keys.issue(action.node),
                 }
                 await send(action.worker, Kind.NET_SETUP, setup)
+            elif isinstance(action, SendNetPeers) and run.path is PathClass.RELAYED:
+                await send(action.worker, Kind.NET_PEERS, self._relayed_peers(entry, action))
             elif isinstance(action, SendNetPeers):
                 peers = [
                     {
@@ -535,7 +552,7 @@ class Controller:
         for entry in self.runs.values():  # a private gang's addresses are its own
             if entry.gang.path is PathClass.PRIVATE and len(entry.inventories) > 1:
                 pool.hold_private(inv.network.private_address for inv in entry.inventories)
-        for decision in schedule(jobs, pool, SUPPORTED_PATHS):
+        for decision in schedule(jobs, pool, self.supported_paths):
             outcome = decision.outcome
             if isinstance(outcome, Placement):
                 placements[decision.job_id] = outcome
@@ -599,7 +616,7 @@ class Controller:
                     port=spec.gang.rendezvous.port,
                     timeout=spec.timeout or None,
                     master_addr=planned.master_addr,
-                    probe_seconds=_probe_seconds(spec, entry.inventories),
+                    probe_seconds=_probe_seconds(spec, entry.inventories, outcome.path),
                     fail_on_hang=spec.on_hang == "fail",
                     hang_timeout=spec.hang_timeout,
                 ),
@@ -839,8 +856,17 @@ class Controller:
             at = {mesh_address(n, entry.mesh): n for n in range(len(entry.gang.members))}
             silent = body.get("silent")
             nodes = [at[a] for a in silent if a in at] if isinstance(silent, list) else []
-            return NetReady(node, error=str(body["error"])[:500], silent=tuple(nodes))
+            return NetReady(
+                node,
+                error=str(body["error"])[:500],
+                silent=tuple(nodes),
+                shim_not_loaded=bool(body.get("shim_not_loaded")),
+            )
         key, port = str(body.get("public_key") or ""), int(body.get("port") or 0)
+        if entry.gang.path is PathClass.RELAYED:  # a key, and the relays for an endpoint
+            if not _is_wg_key(key):
+                return NetReady(node, error=f"a malformed NET_READY (key {key[:8]!r})")
+            return NetReady(node, key, "")
         host = entry.inventories[node].advertise_address or ""
         public = body.get("public")
         if isinstance(public, dict):
@@ -852,6 +878,31 @@ class Controller:
             return NetReady(node, error=f"a malformed NET_READY (key {key[:8]!r}, port {port})")
         endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         return NetReady(node, key, endpoint)
+
+    def _relayed_peers(self, entry: RunEntry, action: SendNetPeers) -> dict[str, Any]:
+        """NET_PEERS of the relayed path: the peers' keys and addresses, the relays, and
+        single-use tickets that admit this member to each relay (muster.net.relaywire)."""
+        gang = f"{entry.gang.job}/{entry.gang.epoch}"
+        return {
+            "job": entry.gang.job,
+            "epoch": entry.gang.epoch,
+            "node_rank": action.node,
+            "path": PathClass.RELAYED.value,
+            "gang": gang,
+            "addresses": list(self._path_addresses(entry)),
+            "peers": [{"node": node, "public_key": key} for node, key, _ in action.peers],
+            "relays": [
+                {
+                    "host": host,
+                    "port": port,
+                    "tickets": [
+                        issue_ticket(self.relay_secret, gang, action.node)
+                        for _ in range(RELAY_TICKETS)
+                    ],
+                }
+                for host, port in self.relays
+            ],
+        }
 
     def _path_addresses(self, entry: RunEntry) -> tuple[str, ...]:
         """Each node's address on the gang's path (what the ranks will use)."""
@@ -1079,10 +1130,13 @@ def _address_port(addr: object, port: object) -> tuple[str, int] | None:
     return (host, number) if 0 < number < 65536 else None
 
 
-def _probe_seconds(spec: JobSpec, members: Sequence[WorkerInventory]) -> float | None:
+def _probe_seconds(
+    spec: JobSpec, members: Sequence[WorkerInventory], path: PathClass
+) -> float | None:
     """The spec's probe, for a gang that spans machines (on one host's loopback there is
-    no path to prove)."""
-    if len(members) < 2 or spec.gang.probe_seconds is None:
+    no path to prove). Not yet over the relays: there the links to the relays and the
+    shim's self-test are what is proved before the command starts."""
+    if len(members) < 2 or spec.gang.probe_seconds is None or path is PathClass.RELAYED:
         return None
     if all(ipaddress.ip_address(m.advertise_address or "127.0.0.1").is_loopback for m in members):
         return None

@@ -59,6 +59,7 @@ class NetReady:
     endpoint: str = ""
     error: str | None = None
     silent: tuple[int, ...] = ()  # with ``error``: the peers it got no handshake from
+    shim_not_loaded: bool = False  # relayed: the job's launcher ignores the preloaded shim
 
 
 @dataclass(frozen=True)

@@ -79,6 +79,7 @@ from muster.spec import JobState, MemberState, PathClass
 _M = MemberState
 _FORWARD = (_M.PENDING, _M.ASSIGNED, _M.STARTING, _M.RUNNING, _M.SUCCEEDED)
 _BEFORE_RENDEZVOUS = (JobState.PLACING, JobState.NETWORKING)
+_BUILT_PATHS = (PathClass.DIRECT, PathClass.RELAYED)  # the paths muster sets up per epoch
 RENDEZVOUS_TIMEOUT_S = 120.0  # node 0 answers PREPARE_RENDEZVOUS within this, or the job fails
 # Every member answers MASTER_CHECK within this (its agent dials for 10 s at most and reads
 # the versions in its Python meanwhile), or the epoch is fenced.
@@ -203,12 +204,13 @@ def _placed(turn: _Turn, event: Placed) -> None:
         fail_on_hang=event.fail_on_hang,
         hang_timeout=event.hang_timeout,
     )
-    if event.path is PathClass.DIRECT and len(event.workers) > 1:
-        # The gang's own network first: every member makes a key and a device; the keys
-        # go round once all are in; the rendezvous starts once every device has its peers.
+    if event.path in _BUILT_PATHS and len(event.workers) > 1:
+        # The gang's own network first: every member makes a key (and on the direct path a
+        # device); the keys go round once all are in; the rendezvous starts once every
+        # member has its peers (its device's handshakes, or its links to the relays).
         turn.set_job(
             JobState.NETWORKING,
-            f"epoch {event.epoch}: setting up the direct network between "
+            f"epoch {event.epoch}: setting up the {event.path.value} network between "
             f"{len(event.workers)} members",
         )
         for member in turn.run.members:
@@ -415,14 +417,22 @@ def _net_ready(turn: _Turn, event: NetReady) -> None:
         return
     if member.net_key and event.error is None:
         return  # a repeated NET_READY
-    if event.error is not None or not event.public_key or not event.endpoint:
+    path = turn.run.path or PathClass.DIRECT
+    who = f"node{member.node} (worker {member.worker})"
+    if event.shim_not_loaded:
+        # Placing the gang again would not help: the job's own launcher ignores LD_PRELOAD.
+        turn.emit(SetCondition("GangReady", False, "ShimNotLoaded", f"{who}: {event.error}"))
+        _fail(turn, JobState.FAILED, f"ShimNotLoaded: {who}: {event.error}")
+        return
+    needs_endpoint = path is PathClass.DIRECT
+    if event.error is not None or not event.public_key or (needs_endpoint and not event.endpoint):
         why = event.error or "its NET_READY carried no key or endpoint"
         silent = [n for n in event.silent if n != member.node and turn.member(n) is not None]
         _fence(
             turn,
-            f"node{member.node} (worker {member.worker}) could not set up the direct path: {why}",
+            f"{who} could not set up the {path.value} path: {why}",
             [(member.node, n) for n in silent] or _with_everyone(turn.run, member.node),
-            "DirectPathFailed",
+            "DirectPathFailed" if path is PathClass.DIRECT else "RelayedPathFailed",
         )
         return
     turn.update(member.node, net_key=(event.public_key, event.endpoint))
@@ -450,11 +460,12 @@ def _net_up(turn: _Turn, event: NetUp) -> None:
         return  # (a repeated NET_UP must not start the probe again)
     turn.update(member.node, net_up=True)
     if all(m.net_up for m in turn.run.members):
+        path = (run.path or PathClass.DIRECT).value
         turn.emit(
             RecordEvent(
                 "NetworkReady",
-                f"epoch {run.epoch}: direct network up between {len(run.members)} members",
-                {"epoch": run.epoch, "path": PathClass.DIRECT.value},
+                f"epoch {run.epoch}: {path} network up between {len(run.members)} members",
+                {"epoch": run.epoch, "path": path},
             )
         )
         _start_probe_or_rendezvous(turn)
@@ -992,8 +1003,7 @@ def _restarted(turn: _Turn, event: ControllerRestarted) -> None:
     run = turn.run
     unstarted = len(run.members) > 1 and not any(m.assigned for m in run.members)
     if unstarted and (
-        run.job_state is JobState.NETWORKING
-        or (run.path is PathClass.DIRECT and run.published is None)
+        run.job_state is JobState.NETWORKING or (run.path in _BUILT_PATHS and run.published is None)
     ):
         # The join keys, the mesh addresses and the probe's progress of a network not yet
         # in use went with the controller's memory, and nothing of the user's ran: fence
