@@ -227,6 +227,10 @@ class Client:
     def window(self, job_id: str) -> dict[str, Any]:
         return dict(self._call("GET", f"/v1/jobs/{job_id}/window"))
 
+    def usage(self, job_id: str) -> dict[str, Any]:
+        """What the job's members sent through the relays (``GET .../usage``)."""
+        return dict(self._call("GET", f"/v1/jobs/{job_id}/usage"))
+
     def stacks(
         self, job_id: str, *, rank: int | None = None, native: bool = False
     ) -> dict[str, Any]:

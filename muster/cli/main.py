@@ -71,6 +71,7 @@ def load_commands() -> typer.Typer:
         stacks,
         token,
         up,
+        usage,
         validate,
         verify,
         window,

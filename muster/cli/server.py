@@ -51,6 +51,9 @@ def server(
     relay_secret_file: Path = typer.Option(
         None, help="the secret shared with the relays (the file their --secret-file reads)"
     ),
+    relay_max_gbps: float = typer.Option(
+        1.0, help="the most one relayed gang sends through the relays (Gbit/s, all members)"
+    ),
 ) -> None:
     """Run the controller: HTTP API, agents' control links and /metrics on one port."""
     if heartbeat_timeout <= heartbeat_interval:
@@ -59,6 +62,8 @@ def server(
         raise UserError("--max-bundle-mb and --max-artifact-mb must be at least 1")
     keep_for = parse_retention(retention, "--retention")
     relays = tuple(host_port(r, "--relay") for r in relay)
+    if not relay_max_gbps > 0:
+        raise UserError("--relay-max-gbps must be above 0")
     secret = read_secret(relay_secret_file, "--relay-secret-file") if relays else b""
     store = open_store(db)
     loopback = is_loopback(host)
@@ -83,6 +88,7 @@ def server(
         port=port,
         relays=relays,
         relay_secret=secret,
+        relay_max_gbps=relay_max_gbps,
     )
     application = create_app(config)
     if keep_for:

@@ -15,6 +15,7 @@ from fastapi.responses import FileResponse
 from muster.controller.auth import require_agent, require_user
 from muster.controller.files import FileStore
 from muster.controller.gangs import Controller
+from muster.controller.relays import usage_answer
 from muster.errors import BadRequest, FieldError, Forbidden, NotFound, SpecError, UserError
 from muster.plan import rank_plan
 from muster.spec import JobState, parse_job
@@ -174,6 +175,16 @@ async def start(job_id: str, request: Request) -> dict[str, Any]:
 async def window(job_id: str, request: Request) -> dict[str, Any]:
     """A job's join window: phase, rules, roster (read-only)."""
     return await controller(request).window_view(job_id)
+
+
+@users.get("/jobs/{job_id}/usage")
+async def usage(job_id: str, request: Request) -> dict[str, Any]:
+    """What the job's members sent through the relays, as the relays metered it:
+    ``relayed_bytes`` and ``members`` [{node, worker, relayed_bytes}] (0 off the relayed
+    path). Live while the job runs (read every 10 s), its record once it is over."""
+    ctl = controller(request)
+    job = await job_detail(store(request), ctl, job_id)
+    return usage_answer(job, ctl.relay_usage.of(job_id), job["events"])
 
 
 @users.post("/jobs/{job_id}/stacks")

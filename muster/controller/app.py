@@ -50,6 +50,7 @@ class ControllerConfig:
     port: int = 0  # for the lease record: who holds this database
     relays: tuple[tuple[str, int], ...] = ()  # `muster relay`s for the relayed path
     relay_secret: bytes = b""  # the secret they share with this controller
+    relay_max_gbps: float = 1.0  # the most one relayed gang may send through them
 
 
 def create_app(config: ControllerConfig) -> FastAPI:
@@ -66,6 +67,7 @@ def create_app(config: ControllerConfig) -> FastAPI:
     )
     if config.relays:
         controller.relays, controller.relay_secret = config.relays, config.relay_secret
+        controller.relay_max_gbps = config.relay_max_gbps
         controller.supported_paths = controller.supported_paths | {PathClass.RELAYED}
     creds = credentials(store)
     needs_auth = config.tls or not is_loopback(config.host)
@@ -79,6 +81,8 @@ def create_app(config: ControllerConfig) -> FastAPI:
             asyncio.create_task(controller.logs.run()),
             asyncio.create_task(lease.keep()),
         ]
+        if controller.relays:
+            tasks.append(asyncio.create_task(controller.relay_usage.run()))
         controller.request_pass()
         reflector = await start_reflector(config.host, config.port, metrics)
         try:

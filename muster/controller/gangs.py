@@ -30,6 +30,7 @@ from muster.controller.auth import Tickets
 from muster.controller.ingest import LogIngest
 from muster.controller.links import CLOSE_REFUSED, Link, LinkEnded
 from muster.controller.metrics import Metrics
+from muster.controller.relays import RelayUsage
 from muster.controller.runs import JoinKeys, RunEntry, rebuild_run
 from muster.controller.stacks import StackDesk
 from muster.controller.windows import WindowDesk
@@ -111,6 +112,7 @@ T = TypeVar("T")
 # --relay`). A gang that would need one it does not waits, saying so.
 SUPPORTED_PATHS = frozenset({PathClass.PRIVATE, PathClass.DIRECT})
 RELAY_TICKETS = 8  # per member and relay in NET_PEERS: each admits one (re)dial
+RELAY_DEFAULT_GBPS = 1.0  # a relayed gang's cap when its spec names none
 RESTART_GRACE_HEARTBEATS = 3  # after a restart, runs wait this many heartbeat timeouts
 _SENDS = (
     SendNetSetup,
@@ -169,8 +171,10 @@ class Controller:
         self.supported_paths = SUPPORTED_PATHS
         self.relays: tuple[tuple[str, int], ...] = ()  # muster relays the relayed path uses
         self.relay_secret = b""  # shared with them: the tickets' MAC key
+        self.relay_max_gbps = RELAY_DEFAULT_GBPS  # the most a relayed gang may ask for
         self.windows = WindowDesk(self)  # join windows of membership: window jobs
         self.stacks = StackDesk(self)  # muster stacks: the ranks' Python stacks
+        self.relay_usage = RelayUsage(self)  # what relayed gangs sent (muster usage)
 
     async def db(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run a store call off the event loop."""
@@ -883,6 +887,9 @@ class Controller:
         """NET_PEERS of the relayed path: the peers' keys and addresses, the relays, and
         single-use tickets that admit this member to each relay (muster.net.relaywire)."""
         gang = f"{entry.gang.job}/{entry.gang.epoch}"
+        asked = entry.spec.gang.relay_gbps or RELAY_DEFAULT_GBPS
+        gbps = min(asked, self.relay_max_gbps)
+        rate = gbps * 1e9 / 8 / len(entry.gang.members)  # bytes/s, each member's share
         return {
             "job": entry.gang.job,
             "epoch": entry.gang.epoch,
@@ -896,7 +903,7 @@ class Controller:
                     "host": host,
                     "port": port,
                     "tickets": [
-                        issue_ticket(self.relay_secret, gang, action.node)
+                        issue_ticket(self.relay_secret, gang, action.node, rate=rate)
                         for _ in range(RELAY_TICKETS)
                     ],
                 }

@@ -34,6 +34,11 @@ class Metrics:
             ["reason"],
             registry=self.registry,
         )
+        self.relayed_bytes = Counter(
+            "muster_relayed_bytes",
+            "Bytes relayed gangs' members sent through muster relays, as the relays metered them",
+            registry=self.registry,
+        )
         self.internal_errors = Counter(
             "muster_internal_errors",
             "Unexpected errors a long-running loop caught, logged and survived, by loop",

@@ -107,6 +107,7 @@ DROPPED = {
     "distributed.network": "the pods use the cluster's network and the chosen --fabric",
     "distributed.transport": "the pods use the cluster's network and the chosen --fabric",
     "distributed.probe_seconds": "no path probe runs before the pods start",
+    "distributed.relay_gbps": "the pods never use muster's relays",
     "hang_timeout": "no agent watches the pods' ranks: use `muster stacks` only with agents, "
     "py-spy in the pod (kubectl exec) on Kubernetes",
     "on_hang": "no agent watches the pods' ranks for a hang",

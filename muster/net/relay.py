@@ -43,6 +43,30 @@ HELLO_TIMEOUT_S = 10.0
 LINK_BUFFER = 8 * 1024 * 1024  # bytes queued on one link before its writer is waited on
 REDIAL_S = 1.0
 NONCE_MEMORY_S = 20 * 60  # a used ticket's nonce is remembered past its expiry
+USAGE_KEEP_S = 3600.0  # a detached member's count is kept this long for the controller
+
+
+class Bucket:
+    """A token bucket: ``rate`` bytes/s, bursts of ``burst`` bytes; ``take`` waits."""
+
+    def __init__(self, rate: float, burst: float) -> None:
+        self.rate = rate
+        self.burst = burst
+        self.tokens = burst
+        self.at = time.monotonic()
+
+    async def take(self, n: int) -> None:
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        self.tokens -= n
+        if self.tokens < 0:  # in debt: wait until it is paid (the member's TCP backs off)
+            await asyncio.sleep(-self.tokens / self.rate)
+
+
+def bucket_for(rate: float) -> Bucket | None:
+    """A member's bucket for its ticket's rate (None: no cap); bursts of 50 ms, 256 KiB+."""
+    return Bucket(rate, max(256 * 1024, rate * 0.05)) if rate > 0 else None
 
 
 @dataclass
@@ -70,6 +94,7 @@ class Relay:
         self.relays: dict[str, _Link] = {}  # mesh links by relay name
         self.used: dict[str, float] = {}  # ticket nonces admitted -> when to forget them
         self.metered: dict[tuple[str, int], int] = defaultdict(int)  # bytes each member sent
+        self.idle_since: dict[tuple[str, int], float] = {}  # detached members' counts, since
         self.dropped = 0  # frames for a member attached nowhere
         self.refused = 0  # links refused at HELLO
         self.server: asyncio.Server | None = None
@@ -109,6 +134,8 @@ class Relay:
                 raise ValueError("the first frame is not a HELLO")
             if "relay" in hello:
                 await self._peer_link(reader, link, hello)
+            elif "usage" in hello:
+                await self._usage(link, hello)
             else:
                 await self._member_link(reader, link, hello)
         except (TimeoutError, ValueError, KeyError, TypeError) as exc:
@@ -135,6 +162,7 @@ class Relay:
         if ticket.gang != hello.get("gang") or ticket.member != hello.get("member"):
             raise ValueError("a ticket for another gang or member")
         self.used[ticket.nonce] = now + NONCE_MEMORY_S
+        bucket = bucket_for(ticket.rate)
         key = (ticket.gang, ticket.member)
         old = self.members.get(key)
         if old is not None:
@@ -151,11 +179,30 @@ class Relay:
                 if gang != ticket.gang:
                     continue  # its own gang only
                 self.metered[key] += len(payload)
+                if bucket is not None:
+                    await bucket.take(len(payload))
                 await self._forward(gang, ticket.member, dst, payload)
         finally:
             if self.members.get(key) is link:
                 del self.members[key]
+                self.idle_since[key] = time.monotonic()
                 await self._announce(key, False)
+
+    async def _usage(self, link: _Link, hello: dict[str, object]) -> None:
+        """The controller asks what each member sent (it proves the secret, as relays do)."""
+        nonce = str(hello.get("nonce"))
+        if relay_proof(self.secret, "controller", nonce) != hello.get("proof"):
+            raise ValueError("a usage request without this mesh's secret")
+        if abs(time.time() - float(nonce.split("-", 1)[0])) > 60 or nonce in self.used:
+            raise ValueError("a stale or replayed usage request")
+        self.used[nonce] = time.time() + NONCE_MEMORY_S
+        now = time.monotonic()
+        for key in [k for k, t in self.idle_since.items() if now - t > USAGE_KEEP_S]:
+            if key not in self.members:  # a gang long gone: its count was read by now
+                self.metered.pop(key, None)
+                del self.idle_since[key]
+        usage = [[gang, member, sent] for (gang, member), sent in self.metered.items()]
+        await link.send(json_frame(Kind.USAGE, {"relay": self.name, "usage": usage}))
 
     async def _forward(self, gang: str, src: int, dst: int, payload: memoryview) -> None:
         here = self.members.get((gang, dst))

@@ -38,6 +38,7 @@ class Kind(IntEnum):
     REFUSED = 3  # relay -> dialer: JSON {reason}; the link closes
     DATA = 4  # [u16 gang len][u16 src][u16 dst][gang][payload]
     ROUTE = 5  # relay -> relay: JSON {gang, member, here}: where a member is attached
+    USAGE = 6  # relay -> controller: JSON {relay, usage: [[gang, member, bytes sent], ...]}
 
 
 class LinkClosed(Exception):
@@ -93,20 +94,25 @@ class Ticket:
     member: int
     expires: float
     nonce: str
+    rate: float = 0.0  # bytes per second this member may send through a relay; 0: no cap
 
 
 def _mac(secret: bytes, payload: str) -> str:
     return hmac.new(secret, b"muster-relay-ticket\0" + payload.encode(), hashlib.sha256).hexdigest()
 
 
-def issue_ticket(secret: bytes, gang: str, member: int, ttl: float = TICKET_TTL_S) -> str:
-    """A ticket (controller side) admitting ``member`` of ``gang`` once, for ``ttl`` s."""
+def issue_ticket(
+    secret: bytes, gang: str, member: int, ttl: float = TICKET_TTL_S, rate: float = 0.0
+) -> str:
+    """A ticket (controller side) admitting ``member`` of ``gang`` once, for ``ttl`` s, to
+    send at most ``rate`` bytes/s (its share of the gang's cap; 0: none)."""
     payload = json.dumps(
         {
             "gang": gang,
             "member": member,
             "expires": time.time() + ttl,
             "nonce": secrets.token_hex(12),
+            "rate": rate,
         },
         separators=(",", ":"),
     )
@@ -125,7 +131,11 @@ def read_ticket(secret: bytes, text: str) -> Ticket:
     if not hmac.compare_digest(_mac(secret, payload), mac):
         raise ValueError("a ticket this relay's secret did not sign")
     ticket = Ticket(
-        str(data["gang"]), int(data["member"]), float(data["expires"]), str(data["nonce"])
+        str(data["gang"]),
+        int(data["member"]),
+        float(data["expires"]),
+        str(data["nonce"]),
+        float(data.get("rate") or 0.0),
     )
     if ticket.expires < time.time():
         raise ValueError("an expired ticket")

@@ -128,6 +128,14 @@ class Distributed(_Model):
         default="direct",
         description="direct: private or WireGuard paths only; auto: relayed paths too",
     )
+    relay_gbps: float | None = Field(
+        default=None,
+        gt=0,
+        le=400,
+        description="on the relayed path, the most the gang sends through the relays, in "
+        "Gbit/s, split evenly across its members (default 1, and never more than the "
+        "controller's --relay-max-gbps)",
+    )
     membership: Membership = Field(
         default="pool",
         description="pool: the scheduler takes idle agents; window: whoever walks in "

@@ -29,6 +29,7 @@ RIGHTS = {
     ("GET", "/v1/jobs/{job_id}/window"): "user",
     ("GET", "/v1/jobs/{job_id}/logs"): "user",
     ("POST", "/v1/jobs/{job_id}/stacks"): "user",
+    ("GET", "/v1/jobs/{job_id}/usage"): "user",
     ("POST", "/v1/bundles"): "user",
     ("GET", "/v1/bundles/{sha256}"): "agent",
     ("PUT", "/v1/jobs/{job_id}/artifacts/{node_rank}/{rel}"): "agent",

@@ -24,6 +24,7 @@ def exported() -> tuple[set[str], set[str]]:
     metrics.placement.observe(0.01)
     metrics.scheduler_pass.observe(0.02)
     metrics.log_lines.inc()
+    metrics.relayed_bytes.inc(1)
     names, samples = set(), set()
     for family in text_string_to_metric_families(generate_latest(metrics.registry).decode()):
         if family.name.endswith("_created"):  # (a counter's or histogram's start time)

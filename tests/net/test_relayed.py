@@ -18,7 +18,7 @@ import pytest
 
 from muster.net.relay import Relay
 from muster.net.relayed import Endpoint, new_key
-from muster.net.relaywire import Kind, issue_ticket, json_frame, read_frame
+from muster.net.relaywire import Kind, LinkClosed, issue_ticket, json_frame, read_frame
 
 SECRET = b"s" * 32
 GANG = "job1/1"
@@ -273,6 +273,66 @@ def test_the_relay_sees_only_ciphertext_and_a_forged_packet_is_dropped() -> None
         server.close()
         for x in (a, b):
             await x.close()
+        await r.close()
+
+    run(scenario)
+
+
+def test_the_rate_cap_holds_and_the_metering_matches_what_was_sent() -> None:
+    """A ticket for 40 Mbit/s (5 MB/s): 20 MB through the relay take 4 s within 10%, and
+    the relay's count (what the controller asks for) matches the bytes sent within 1%."""
+    from muster.controller.relays import ask
+
+    async def scenario() -> None:
+        r = await relay("r1")
+        rate = 5e6
+        keys = [new_key() for _ in range(2)]
+        addresses = ["127.0.0.1", "127.0.0.2"]
+        endpoints = []
+        for me in (0, 1):
+
+            async def ticket(_i: int, me: int = me) -> str:
+                return issue_ticket(SECRET, GANG, me, rate=rate)
+
+            peer = 1 - me
+            e = Endpoint(
+                GANG, me, addresses, keys[me][0], {peer: keys[peer][1]},
+                [("127.0.0.1", r.port)], ticket,
+            )  # fmt: skip
+            await e.start()
+            await asyncio.wait_for(e.up.wait(), 10)
+            endpoints.append(e)
+        sink_got = 0
+
+        async def sink(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal sink_got
+            while data := await reader.read(1 << 20):
+                sink_got += len(data)
+            writer.close()
+
+        server = await asyncio.start_server(sink, "127.0.0.2", 0)
+        port = server.sockets[0].getsockname()[1]
+        _reader, writer = await socks_connect(endpoints[0].socks, "127.0.0.2", port)
+        total = 20_000_000
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        chunk = os.urandom(1 << 16)
+        sent = 0
+        while sent < total:
+            writer.write(chunk)
+            await writer.drain()
+            sent += len(chunk)
+        await wait_for(lambda: sink_got >= sent, within=30)
+        took = loop.time() - start
+        assert abs(sent / took - rate) / rate < 0.10, f"{sent / took / 1e6:.2f} MB/s"
+        counted = {(g, m): n for g, m, n in await ask("127.0.0.1", r.port, SECRET)}
+        assert abs(counted[(GANG, 0)] - sent) / sent < 0.01, (counted, sent)
+        with pytest.raises(LinkClosed, match="refused"):
+            await ask("127.0.0.1", r.port, b"w" * 32)  # no secret, no counts
+        writer.close()
+        server.close()
+        for e in endpoints:
+            await e.close()
         await r.close()
 
     run(scenario)

@@ -74,8 +74,19 @@ def test_a_gloo_job_runs_relayed_between_container_only_hosts_that_cannot_reach_
         assert env["MASTER_ADDR"] in (h1.address, h2.address)
     sums = [ln["text"] for ln in lines if ln["text"].startswith("sum=")]
     assert sums == ["sum=10 expected=10"] * 4, lines
-    # Still no TCP between the two hosts: the job went through the relays.
+    # Still nothing between the two hosts: the job went through the relays, which metered
+    # what each member sent (the controller reads them every 10 s).
     assert not rig.reaches(h1, h2.address)
+    deadline = time.monotonic() + 30
+    usage = rig.api("usage", job_id)
+    while not all(m["relayed_bytes"] > 0 for m in usage["members"]):
+        assert time.monotonic() < deadline, usage
+        time.sleep(1)
+        usage = rig.api("usage", job_id)
+    assert usage["path_class"] == "relayed"
+    assert [m["node"] for m in usage["members"]] == [0, 1]
+    shown = rig.muster(ctl, "usage", job_id)
+    assert f"job {job_id} (relayed):" in shown, shown
     deadline = time.monotonic() + 10
     relay_log = ""
     while "relayed endpoint closed" not in relay_log and time.monotonic() < deadline:
