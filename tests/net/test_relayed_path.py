@@ -7,56 +7,92 @@ from __future__ import annotations
 
 import os
 import secrets
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.net.rig import Rig
+from tests.net.rig import Host, Rig
 from tests.net.test_direct import ENV_PROBE
 
 pytestmark = pytest.mark.timeout(300)
 RELAY_PORTS = (7101, 7102)
 
 
-def test_a_gloo_job_runs_relayed_between_container_only_hosts_that_cannot_reach_each_other(
-    rig: Rig, tmp_path: Path
-) -> None:
-    h1, h2 = rig.two_regions(2, container_only=["h1", "h2"])
-    # The router between the regions carries nothing between h1 and h2 (the hosts, being
-    # container-only, could not set such rules themselves); both still reach ctl.
+TRAIN = """
+import os, time, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+t = torch.ones(1 << 18)
+for step in range(60):
+    dist.all_reduce(t)
+    t.fill_(1.0)
+    if rank == 0 and step % 10 == 0:
+        print(f"step {step}", flush=True)
+    time.sleep(0.15)
+done = torch.ones(1) * (rank + 1)
+dist.all_reduce(done)
+print(f"trained sum={int(done.item())} expected={world * (world + 1) // 2}", flush=True)
+dist.destroy_process_group()
+os._exit(0)
+"""
+
+
+def relayed_cluster(rig: Rig, count: int) -> tuple[list[Host], Host, list[subprocess.Popen[bytes]]]:
+    """``count`` container-only hosts in two routed regions that the router keeps apart,
+    two meshed relays on ctl, the controller (knowing them) and an agent on each host."""
+    hosts = rig.two_regions(count, container_only=[f"h{i}" for i in range(1, count + 1)])
+    # The router between the regions carries nothing between the hosts (the hosts, being
+    # container-only, could not set such rules themselves); every host still reaches ctl.
+    rules = " ".join(
+        f"ip saddr {a.address} ip daddr {b.address} drop;"
+        for a in hosts
+        for b in hosts
+        if a is not b
+    )
     rig.nft(
         rig.hosts["r1"],
         "table ip rig_block {\n  chain forward { type filter hook forward priority -10; "
-        f"ip saddr {h1.address} ip daddr {h2.address} drop; "
-        f"ip saddr {h2.address} ip daddr {h1.address} drop; }}\n}}\n",
+        f"{rules} }}\n}}\n",
     )
-    assert not rig.reaches(h1, h2.address)
     ctl = rig.hosts["ctl"]
     secret = rig.root / "relay.secret"
     secret.write_text(secrets.token_hex(32))
     os.chmod(secret, 0o600)
+    relays = []
     for port, other in zip(RELAY_PORTS, reversed(RELAY_PORTS), strict=True):
-        rig.spawn(
-            ctl, f"relay{port}", sys.executable, "-m", "muster", "relay",
+        argv = [
+            sys.executable, "-m", "muster", "relay",
             "--listen", f"{ctl.address}:{port}", "--peer", f"{ctl.address}:{other}",
             "--name", f"relay{port}", "--secret-file", str(secret),
-        )  # fmt: skip
-    relays = [a for port in RELAY_PORTS for a in ("--relay", f"{ctl.address}:{port}")]
-    rig.start_controller(ctl, *relays, "--relay-secret-file", str(secret))
-    for host in (h1, h2):
+        ]  # fmt: skip
+        relays.append(rig.spawn(ctl, f"relay{port}", *argv))
+    flags = [a for port in RELAY_PORTS for a in ("--relay", f"{ctl.address}:{port}")]
+    rig.start_controller(ctl, *flags, "--relay-secret-file", str(secret))
+    for host in hosts:
         rig.start_agent(host)
-    rig.wait_for_workers(["h1", "h2"])
+    rig.wait_for_workers([h.name for h in hosts])
+    return hosts, ctl, relays
 
-    job_dir = tmp_path / "relayed"
-    job_dir.mkdir()
-    (job_dir / "train.py").write_text(ENV_PROBE)
-    (job_dir / "job.yaml").write_text(
-        "name: relayed\nentrypoint: train.py\ntimeout: 5m\n"
-        "distributed: {num_workers: 2, procs_per_worker: 2, backend: gloo, transport: auto}\n"
+
+def submit(rig: Rig, ctl: Host, root: Path, script: str, nodes: int, procs: int) -> str:
+    root.mkdir()
+    (root / "train.py").write_text(script)
+    (root / "job.yaml").write_text(
+        "name: relayed\nentrypoint: train.py\ntimeout: 5m\ndistributed: {num_workers: "
+        f"{nodes}, procs_per_worker: {procs}, backend: gloo, transport: auto}}\n"
     )
-    job_id = rig.muster(ctl, "submit", str(job_dir / "job.yaml")).strip()
+    return rig.muster(ctl, "submit", str(root / "job.yaml")).strip()
+
+
+def test_a_gloo_job_runs_relayed_between_container_only_hosts_that_cannot_reach_each_other(
+    rig: Rig, tmp_path: Path
+) -> None:
+    (h1, h2), ctl, _relays = relayed_cluster(rig, 2)
+    assert not rig.reaches(h1, h2.address)
+    job_id = submit(rig, ctl, tmp_path / "relayed", ENV_PROBE, 2, 2)
     job = rig.wait_done(job_id)
     assert job["state"] == "succeeded", (job["root_cause"], job["events"], rig.log_tails())
     assert job["path_class"] == "relayed"
@@ -93,3 +129,34 @@ def test_a_gloo_job_runs_relayed_between_container_only_hosts_that_cannot_reach_
         relay_log = rig.log(h1, "agent").read_text() + rig.log(h2, "agent").read_text()
         time.sleep(0.5)
     assert "relayed endpoint up" in relay_log
+
+
+def test_three_members_train_through_the_relays_and_a_relay_killed_mid_run_breaks_nothing(
+    rig: Rig, tmp_path: Path
+) -> None:
+    """Three relayed members, one rank each, 60 steps of all_reduce; once training is under
+    way the relay every member sends through is killed: the members resend through the
+    other, and the job finishes with every step done and no connection broken."""
+    hosts, ctl, relays = relayed_cluster(rig, 3)
+    job_id = submit(rig, ctl, tmp_path / "train", TRAIN, 3, 1)
+    deadline = time.monotonic() + 120
+    while True:
+        lines = rig.api("logs", job_id)["lines"]
+        if any(ln["text"] == "step 10" for ln in lines):
+            break
+        job = rig.api("job", job_id)
+        assert job["state"] not in ("failed", "cancelled", "succeeded"), job["root_cause"]
+        assert time.monotonic() < deadline, rig.log_tails()
+        time.sleep(0.3)
+    relays[0].kill()  # the first relay: the one every member sends through
+    job = rig.wait_done(job_id)
+    assert job["state"] == "succeeded", (job["root_cause"], rig.log_tails())
+    assert job["path_class"] == "relayed"
+    lines = rig.api("logs", job_id)["lines"]
+    trained = [ln["text"] for ln in lines if ln["text"].startswith("trained")]
+    assert trained == ["trained sum=6 expected=6"] * 3, lines
+    assert [ln["text"] for ln in lines if ln["text"].startswith("step")][-1] == "step 50"
+    # Every member lost its link to the killed relay mid-run, and went on through the other.
+    for host in hosts:
+        said = rig.log(host, "agent").read_text()
+        assert f"relay {ctl.address}:{RELAY_PORTS[0]}: " in said, said[-2000:]
