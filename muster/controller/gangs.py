@@ -556,6 +556,8 @@ class Controller:
         for entry in self.runs.values():  # a private gang's addresses are its own
             if entry.gang.path is PathClass.PRIVATE and len(entry.inventories) > 1:
                 pool.hold_private(inv.network.private_address for inv in entry.inventories)
+            elif entry.gang.path is PathClass.RELAYED:  # and a relayed one's, its own
+                pool.hold_relayed(inv.advertise_address for inv in entry.inventories)
         for decision in schedule(jobs, pool, self.supported_paths):
             outcome = decision.outcome
             if isinstance(outcome, Placement):
@@ -609,6 +611,8 @@ class Controller:
                         f"this gang has {len(outcome.worker_ids)}"
                     )
                 entry.mesh = self._free_mesh()
+            if outcome.path is PathClass.RELAYED and len(outcome.members) > 1:
+                self.writer.submit([EventWrite("RelayedPath", _why_relayed(outcome), job_id)])
             planned = gang_addressing(outcome.path, entry.inventories, 0, entry.mesh)
             await self._step(
                 entry,
@@ -1135,6 +1139,23 @@ def _address_port(addr: object, port: object) -> tuple[str, int] | None:
     except ValueError:
         return None
     return (host, number) if 0 < number < 65536 else None
+
+
+def _why_relayed(outcome: Placement) -> str:
+    """Why a gang goes through the relays: the members that cannot make a device, and that
+    they share no private network (the scheduler takes relayed only when nothing else fits)."""
+    cannot = [
+        f"{m.id} ({'container-only' if m.network.container_only else 'no WireGuard device'})"
+        for m in outcome.members
+        if not m.network.can_create_device
+    ]
+    networks = {m.network.private_network_id for m in outcome.members}
+    shared = len(networks) == 1 and None not in networks
+    return (
+        "relayed (4x the cost of direct to the scheduler): "
+        + (", ".join(cannot) + " cannot join a direct path" if cannot else "no direct path")
+        + ("" if shared else "; the members share no private network")
+    )
 
 
 def _probe_seconds(

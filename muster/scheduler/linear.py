@@ -61,10 +61,15 @@ def linear_place(spec: JobSpec, workers: Sequence[WorkerView]) -> Placement | No
             options.append(
                 ((PathClass.DIRECT.relative_cost, *key), _best(PathClass.DIRECT, direct, need))
             )
-        elif need.transport == "auto" and len(members) >= need.workers:
-            options.append(
-                ((PathClass.RELAYED.relative_cost, *key), _best(PathClass.RELAYED, members, need))
-            )
+        elif need.transport == "auto":
+            # Relayed members are reached at their own advertise address: one per address.
+            ordered = sorted(members, key=lambda m: _order(m, need))
+            distinct: dict[str, tuple[WorkerKind, WorkerInventory]] = {}
+            for kind, inv in ordered:
+                distinct.setdefault(inv.advertise_address or "", (kind, inv))
+            if len(distinct) >= need.workers:
+                best = _best(PathClass.RELAYED, list(distinct.values()), need)
+                options.append(((PathClass.RELAYED.relative_cost, *key), best))
     if not options:
         return None
     return min(options, key=lambda option: option[0])[1]
@@ -73,6 +78,11 @@ def linear_place(spec: JobSpec, workers: Sequence[WorkerView]) -> Placement | No
 def _best(
     path: PathClass, members: list[tuple[WorkerKind, WorkerInventory]], need: Need
 ) -> Placement:
-    ordered = sorted(members, key=lambda m: (m[0].gpu_count - need.gpus, m[0].sort_key, m[1].id))
+    ordered = sorted(members, key=lambda m: _order(m, need))
     chosen = sorted((inv for _, inv in ordered[: need.workers]), key=lambda inv: inv.id)
     return Placement(path, tuple(chosen))
+
+
+def _order(member: tuple[WorkerKind, WorkerInventory], need: Need) -> tuple[object, ...]:
+    kind, inv = member
+    return (kind.gpu_count - need.gpus, kind.sort_key, inv.id)

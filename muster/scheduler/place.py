@@ -291,6 +291,13 @@ def place_gang(
     blocked: _Group | None = None
     for group in index.groups:  # already in preference order
         pairs = apart.get(group.path) if apart else None
+        if group.path is PathClass.RELAYED and need.workers > 1:
+            picked = _pick_relayed(group, pool, need, exclude, pairs or frozenset())
+            if picked is not None:
+                if group.path in paths:
+                    return Placement(group.path, picked)
+                blocked = blocked or group
+            continue
         if pairs:
             chosen = _pick_apart(group, pool, need, exclude, pairs)
             if chosen is None:
@@ -334,8 +341,55 @@ def place_gang(
                 f"; {IP_COLLISION}: {collided} idle worker(s) on a private network share an "
                 "address with a gang running on the private path there (one gang per address)"
             )
+        elif need.workers > 1 and _relayed_collisions(index, pool, exclude, need):
+            reason += (
+                f"; {IP_COLLISION}: the relayed path's idle workers are at addresses a running "
+                "relayed gang routes (each member is reached at its own address)"
+            )
         found = cache[key] = Unplaceable(reason, ruled_out)
     return found
+
+
+def _pick_relayed(
+    group: _Group,
+    pool: PoolIndex,
+    need: Need,
+    exclude: frozenset[WorkerKind],
+    pairs: frozenset[frozenset[str]],
+    *,
+    screen: bool = True,
+) -> tuple[WorkerInventory, ...] | None:
+    """A relayed gang: members reached at their own advertise addresses, so no two at one
+    address, none at an address a running relayed gang routes (with ``screen``), and no
+    pair kept apart; in pick order. None when the group has no such gang."""
+    chosen: list[str] = []
+    addresses: set[str] = set()
+    for kind in group.kinds:
+        if kind in exclude:
+            continue
+        for wid in pool.slots[kind].ids:
+            address = pool.inventory[wid].advertise_address or ""
+            if address in addresses or (screen and pool.relayed_blocked(wid)):
+                continue
+            if any(frozenset((wid, other)) in pairs for other in chosen):
+                continue
+            chosen.append(wid)
+            addresses.add(address)
+            if len(chosen) == need.workers:
+                return tuple(pool.inventory[w] for w in sorted(chosen))
+    return None
+
+
+def _relayed_collisions(
+    index: _NeedIndex, pool: PoolIndex, exclude: frozenset[WorkerKind], need: Need
+) -> bool:
+    """A relayed group would form the gang but for addresses running relayed gangs hold."""
+    return bool(pool.relayed_taken) and any(
+        group.path is PathClass.RELAYED
+        and _pick_relayed(group, pool, need, exclude, frozenset(), screen=True) is None
+        and _pick_relayed(group, pool, need, exclude, frozenset(), screen=False) is not None
+        for group in index.groups
+    )
 
 
 def _collisions(

@@ -89,6 +89,9 @@ class PoolIndex:
         # pass): a gang's rules tell members from others by address, so no other gang may
         # take the private path on a worker at one of them (IPCollision). Loopback never.
         self.private_taken: set[str] = set()
+        # Advertise addresses held by running relayed gangs: a relayed member is reached at
+        # its own address, so no second relayed gang may route one (IPCollision).
+        self.relayed_taken: set[str] = set()
         views = [w if isinstance(w, WorkerView) else WorkerView(inventory=w) for w in workers]
         for view in sorted(views, key=lambda v: v.id):
             if view.state is WorkerState.IDLE:
@@ -134,6 +137,15 @@ class PoolIndex:
         for address in addresses:
             if address and not address.startswith("127.") and address != "::1":
                 self.private_taken.add(address)
+
+    def hold_relayed(self, addresses: Iterable[str | None]) -> None:
+        """A relayed gang holds these advertise addresses (see ``relayed_taken``)."""
+        self.version += 1
+        self.relayed_taken.update(a for a in addresses if a)
+
+    def relayed_blocked(self, worker_id: str) -> bool:
+        """Whether the worker's advertise address is a running relayed gang's."""
+        return self.inventory[worker_id].advertise_address in self.relayed_taken
 
     def private_blocked(self, worker_id: str) -> bool:
         """Whether the worker's private address is another gang's (see ``private_taken``)."""

@@ -69,6 +69,8 @@ def schedule(
             pool.take(outcome.worker_ids)
             if outcome.path is PathClass.PRIVATE and len(outcome.members) > 1:
                 pool.hold_private(m.network.private_address for m in outcome.members)
+            elif outcome.path is PathClass.RELAYED:
+                pool.hold_relayed(m.advertise_address for m in outcome.members)
         else:
             free = place_gang(job.spec, pool, paths=paths, apart=job.apart)
             if held and isinstance(free, Placement):

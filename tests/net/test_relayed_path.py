@@ -96,6 +96,11 @@ def test_a_gloo_job_runs_relayed_between_container_only_hosts_that_cannot_reach_
     job = rig.wait_done(job_id)
     assert job["state"] == "succeeded", (job["root_cause"], job["events"], rig.log_tails())
     assert job["path_class"] == "relayed"
+    why = next(e for e in job["events"] if e["kind"] == "RelayedPath")["message"]
+    assert "h1 (container-only), h2 (container-only) cannot join a direct path" in why, why
+    assert "the members share no private network" in why
+    described = rig.muster(ctl, "describe", job_id)
+    assert "RelayedPath" in described, described
     ready = next(e for e in job["events"] if e["kind"] == "NetworkReady")
     assert ready["data"]["path"] == "relayed"
     lines = rig.api("logs", job_id)["lines"]

@@ -329,6 +329,8 @@ def check_placement(job: dict[str, Any], views: list[WorkerView], result: Placem
             assert all(m.network.can_create_device for m in members)
         else:
             assert need.transport == "auto"
+            addresses = [m.advertise_address for m in members]
+            assert len(set(addresses)) == len(addresses), "relayed: one member per address"
 
 
 @settings(
@@ -404,3 +406,37 @@ def test_a_private_gang_placed_in_a_pass_holds_its_addresses_for_the_rest_of_it(
     assert isinstance(big, Placement)
     assert big.path is PathClass.PRIVATE
     assert isinstance(small, Placement)  # a gang of one needs no network: never held
+
+
+def _relayed_at(wid: str, address: str) -> Any:
+    """A container-only worker (no device, no private network) at ``address``."""
+    return worker(wid, device=False, container=True).model_copy(
+        update={"advertise_address": address}
+    )
+
+
+def test_a_relayed_gang_takes_one_member_per_address_and_none_a_running_one_routes() -> None:
+    """Relayed members are reached at their own addresses: two agents behind one address
+    are never in one relayed gang, and a running relayed gang's addresses take no second
+    one (IPCollision); a gang placed in a pass holds its addresses for the rest of it."""
+    auto = gang(2, dist={"transport": "auto"})
+    views = idle(
+        _relayed_at("a1", "198.51.100.1"),
+        _relayed_at("a2", "198.51.100.1"),
+        _relayed_at("b1", "198.51.100.2"),
+    )
+    first = placed(auto, views)
+    assert first.path is PathClass.RELAYED
+    assert first.worker_ids == ("a1", "b1"), "a1 and a2 share one address"
+    pool = PoolIndex(views)
+    pool.hold_relayed(["198.51.100.2"])  # a relayed gang runs at b's address
+    waits = place_gang(parse_job(auto), pool)
+    assert isinstance(waits, Unplaceable)
+    assert "IPCollision: the relayed path's idle workers are at addresses" in waits.reason
+    decisions = schedule(
+        [QueuedJob("j1", parse_job(auto), 1), QueuedJob("j2", parse_job(auto), 2)],
+        PoolIndex(views + idle(_relayed_at("c1", "198.51.100.3"))),
+    )
+    one, two = (d.outcome for d in decisions)
+    assert isinstance(one, Placement)
+    assert isinstance(two, Unplaceable), "a2 and c1 remain, but a2's address is j1's"
