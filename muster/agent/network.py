@@ -421,8 +421,16 @@ class GangNetwork:
         # heals when WireGuard shakes hands again: timed-out connections get the window.
         owned = self.owner == (str(ids["job"]), ids["epoch"])
         window = READINESS_WINDOW_S if owned else 0.0
-        results = await probe_peers(peers, seconds, timeout, token, window)
-        results = await asyncio.to_thread(self._paths_taken, results, peers)
+        relayed = self.relayed.shim_for(str(ids["job"]))  # through the relays, as the ranks
+        if relayed is not None:
+            host, _, port = relayed.socks.rpartition(":")
+            results = await probe_peers(
+                peers, seconds, timeout, token, window, via=(host, int(port))
+            )
+            results = [replace(r, via="relayed") for r in results]
+        else:
+            results = await probe_peers(peers, seconds, timeout, token, window)
+            results = await asyncio.to_thread(self._paths_taken, results, peers)
         log.info(
             "job %s: probed %s",
             ids["job"],

@@ -624,7 +624,7 @@ class Controller:
                     port=spec.gang.rendezvous.port,
                     timeout=spec.timeout or None,
                     master_addr=planned.master_addr,
-                    probe_seconds=_probe_seconds(spec, entry.inventories, outcome.path),
+                    probe_seconds=_probe_seconds(spec, entry.inventories),
                     fail_on_hang=spec.on_hang == "fail",
                     hang_timeout=spec.hang_timeout,
                 ),
@@ -1158,13 +1158,11 @@ def _why_relayed(outcome: Placement) -> str:
     )
 
 
-def _probe_seconds(
-    spec: JobSpec, members: Sequence[WorkerInventory], path: PathClass
-) -> float | None:
+def _probe_seconds(spec: JobSpec, members: Sequence[WorkerInventory]) -> float | None:
     """The spec's probe, for a gang that spans machines (on one host's loopback there is
-    no path to prove). Not yet over the relays: there the links to the relays and the
-    shim's self-test are what is proved before the command starts."""
-    if len(members) < 2 or spec.gang.probe_seconds is None or path is PathClass.RELAYED:
+    no path to prove). On the relayed path it measures through the relays, as the ranks'
+    traffic will go."""
+    if len(members) < 2 or spec.gang.probe_seconds is None:
         return None
     if all(ipaddress.ip_address(m.advertise_address or "127.0.0.1").is_loopback for m in members):
         return None

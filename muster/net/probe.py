@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import hmac
+import ipaddress
 import re
 import socket
 import statistics
@@ -170,11 +172,56 @@ def _cut(sock: socket.socket) -> None:
         sock.shutdown(socket.SHUT_RDWR)
 
 
+# The relayed path's SOCKS5 endpoint (host, port) the probe's connections go through, as
+# the ranks' do through the shim (muster.net.relayed); None: straight to the peer.
+_VIA: contextvars.ContextVar[tuple[str, int] | None] = contextvars.ContextVar(
+    "probe_via", default=None
+)
+
+
+async def _socks_connect(sock: socket.socket, address: str, port: int) -> None:
+    """SOCKS5 CONNECT on ``sock`` (connected to the endpoint) to address:port."""
+    loop = asyncio.get_running_loop()
+
+    async def read(n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = await loop.sock_recv(sock, n - len(data))
+            if not chunk:
+                raise ConnectionResetError(104, "the relayed endpoint closed")
+            data += chunk
+        return data
+
+    await loop.sock_sendall(sock, b"\x05\x01\x00")
+    if await read(2) != b"\x05\x00":
+        raise ConnectionRefusedError(111, "the relayed endpoint refused the handshake")
+    packed = ipaddress.ip_address(address).packed
+    kind = b"\x01" if len(packed) == 4 else b"\x04"
+    await loop.sock_sendall(sock, b"\x05\x01\x00" + kind + packed + port.to_bytes(2, "big"))
+    reply = await read(4)
+    await read(6 if reply[3] == 1 else 18)
+    if reply[1] != 0:
+        raise ConnectionRefusedError(111, f"Connection refused (through the relays: {reply[1]})")
+
+
 async def _socket_to(address: str, port: int, timeout: float | None = None) -> socket.socket:
     """A connected socket carrying the probe's mark (the gang's rules let it into the
     network), to the first of the address's resolutions that answers (``timeout`` each:
-    CONNECT_TIMEOUT_S by default)."""
+    CONNECT_TIMEOUT_S by default); on the relayed path, through the member's endpoint."""
     timeout = CONNECT_TIMEOUT_S if timeout is None else timeout
+    via = _VIA.get()
+    if via is not None:
+        sock = await _socket_direct(via[0], via[1], timeout)
+        try:
+            await asyncio.wait_for(_socks_connect(sock, address, port), timeout)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+    return await _socket_direct(address, port, timeout)
+
+
+async def _socket_direct(address: str, port: int, timeout: float) -> socket.socket:
     loop = asyncio.get_running_loop()
     found = await asyncio.wait_for(
         loop.getaddrinfo(address, port, type=socket.SOCK_STREAM), timeout
@@ -356,9 +403,11 @@ async def probe_peers(
     timeout: float,
     token: bytes = b"",
     window: float = 0.0,
+    via: tuple[str, int] | None = None,
 ) -> list[PairResult]:
     """Measure each (node, address, port) in turn, within ``timeout`` in all (``window``: see
-    :func:`measure`)."""
+    :func:`measure`; ``via``: through that SOCKS5 endpoint, the relayed path's)."""
+    _VIA.set(via)
     results: list[PairResult] = []
 
     async def run() -> None:

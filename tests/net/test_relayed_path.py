@@ -82,7 +82,8 @@ def submit(rig: Rig, ctl: Host, root: Path, script: str, nodes: int, procs: int)
     (root / "train.py").write_text(script)
     (root / "job.yaml").write_text(
         "name: relayed\nentrypoint: train.py\ntimeout: 5m\ndistributed: {num_workers: "
-        f"{nodes}, procs_per_worker: {procs}, backend: gloo, transport: auto}}\n"
+        f"{nodes}, procs_per_worker: {procs}, backend: gloo, transport: auto, "
+        "probe_seconds: 1}\n"
     )
     return rig.muster(ctl, "submit", str(root / "job.yaml")).strip()
 
@@ -101,6 +102,12 @@ def test_a_gloo_job_runs_relayed_between_container_only_hosts_that_cannot_reach_
     assert "the members share no private network" in why
     described = rig.muster(ctl, "describe", job_id)
     assert "RelayedPath" in described, described
+    # The probe measured the pair through the relays before the command started.
+    probe = next(e for e in job["events"] if e["kind"] == "Probe")["data"]
+    assert probe["path"] == "relayed", probe
+    (pair,) = probe["pairs"]
+    assert pair["via"] == "relayed", pair
+    assert pair["tcpGbps"] > 0.01, pair
     ready = next(e for e in job["events"] if e["kind"] == "NetworkReady")
     assert ready["data"]["path"] == "relayed"
     lines = rig.api("logs", job_id)["lines"]
