@@ -15,14 +15,15 @@ from pathlib import Path
 import pytest
 
 from tests.net.rig import Host, Rig
-from tests.net.test_direct import ENV_PROBE
 
 pytestmark = pytest.mark.timeout(300)
 RELAY_PORTS = (7101, 7102)
 
 
-TRAIN = """
+ENV_PROBE_TRAIN = """
 import os, time, torch, torch.distributed as dist
+keys = ("MASTER_ADDR", "MUSTER_GANG_TRANSPORT", "MUSTER_NODE_IPS", "NCCL_NET")
+print("env " + " ".join(f"{k}={os.environ.get(k, '-')}" for k in keys), flush=True)
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 t = torch.ones(1 << 18)
@@ -88,69 +89,18 @@ def submit(rig: Rig, ctl: Host, root: Path, script: str, nodes: int, procs: int)
     return rig.muster(ctl, "submit", str(root / "job.yaml")).strip()
 
 
-def test_a_gloo_job_runs_relayed_between_container_only_hosts_that_cannot_reach_each_other(
+def test_a_gloo_job_trains_relayed_between_hosts_that_cannot_reach_each_other(
     rig: Rig, tmp_path: Path
 ) -> None:
-    (h1, h2), ctl, _relays = relayed_cluster(rig, 2)
-    assert not rig.reaches(h1, h2.address)
-    job_id = submit(rig, ctl, tmp_path / "relayed", ENV_PROBE, 2, 2)
-    job = rig.wait_done(job_id)
-    assert job["state"] == "succeeded", (job["root_cause"], job["events"], rig.log_tails())
-    assert job["path_class"] == "relayed"
-    why = next(e for e in job["events"] if e["kind"] == "RelayedPath")["message"]
-    assert "h1 (container-only), h2 (container-only) cannot join a direct path" in why, why
-    assert "the members share no private network" in why
-    described = rig.muster(ctl, "describe", job_id)
-    assert "RelayedPath" in described, described
-    # The probe measured the pair through the relays before the command started.
-    probe = next(e for e in job["events"] if e["kind"] == "Probe")["data"]
-    assert probe["path"] == "relayed", probe
-    (pair,) = probe["pairs"]
-    assert pair["via"] == "relayed", pair
-    assert pair["tcpGbps"] > 0.01, pair
-    ready = next(e for e in job["events"] if e["kind"] == "NetworkReady")
-    assert ready["data"]["path"] == "relayed"
-    lines = rig.api("logs", job_id)["lines"]
-    envs = {ln["rank"]: ln["text"] for ln in lines if ln["text"].startswith("env ")}
-    assert sorted(envs) == [0, 1, 2, 3], lines
-    addresses = f"{h1.address},{h2.address}"
-    for rank, text in envs.items():
-        env = dict(item.split("=", 1) for item in text.split()[1:])
-        assert env["MUSTER_GANG_TRANSPORT"] == "relayed", (rank, env)
-        assert env["NCCL_NET"] == "Socket"
-        assert env["MUSTER_NODE_IPS"] in (addresses, f"{h2.address},{h1.address}"), env
-        assert env["MASTER_ADDR"] in (h1.address, h2.address)
-    sums = [ln["text"] for ln in lines if ln["text"].startswith("sum=")]
-    assert sums == ["sum=10 expected=10"] * 4, lines
-    # Still nothing between the two hosts: the job went through the relays, which metered
-    # what each member sent (the controller reads them every 10 s).
-    assert not rig.reaches(h1, h2.address)
-    deadline = time.monotonic() + 30
-    usage = rig.api("usage", job_id)
-    while not all(m["relayed_bytes"] > 0 for m in usage["members"]):
-        assert time.monotonic() < deadline, usage
-        time.sleep(1)
-        usage = rig.api("usage", job_id)
-    assert usage["path_class"] == "relayed"
-    assert [m["node"] for m in usage["members"]] == [0, 1]
-    shown = rig.muster(ctl, "usage", job_id)
-    assert f"job {job_id} (relayed):" in shown, shown
-    deadline = time.monotonic() + 10
-    relay_log = ""
-    while "relayed endpoint closed" not in relay_log and time.monotonic() < deadline:
-        relay_log = rig.log(h1, "agent").read_text() + rig.log(h2, "agent").read_text()
-        time.sleep(0.5)
-    assert "relayed endpoint up" in relay_log
-
-
-def test_three_members_train_through_the_relays_and_a_relay_killed_mid_run_breaks_nothing(
-    rig: Rig, tmp_path: Path
-) -> None:
-    """Three relayed members, one rank each, 60 steps of all_reduce; once training is under
-    way the relay every member sends through is killed: the members resend through the
-    other, and the job finishes with every step done and no connection broken."""
+    """Three container-only hosts the router keeps apart, 2 ranks each, `transport: auto`:
+    the gang is placed relayed (and says why), the probe measures each pair through the
+    relays, the ranks train with the shim preloaded; once training is under way the relay
+    every member sends through is killed, and the job finishes with every step done and no
+    connection broken. The relays metered what each member sent (`muster usage`)."""
     hosts, ctl, relays = relayed_cluster(rig, 3)
-    job_id = submit(rig, ctl, tmp_path / "train", TRAIN, 3, 1)
+    h1, h2, _h3 = hosts
+    assert not rig.reaches(h1, h2.address)
+    job_id = submit(rig, ctl, tmp_path / "train", ENV_PROBE_TRAIN, 3, 2)
     deadline = time.monotonic() + 120
     while True:
         lines = rig.api("logs", job_id)["lines"]
@@ -162,13 +112,45 @@ def test_three_members_train_through_the_relays_and_a_relay_killed_mid_run_break
         time.sleep(0.3)
     relays[0].kill()  # the first relay: the one every member sends through
     job = rig.wait_done(job_id)
-    assert job["state"] == "succeeded", (job["root_cause"], rig.log_tails())
+    assert job["state"] == "succeeded", (job["root_cause"], job["events"], rig.log_tails())
     assert job["path_class"] == "relayed"
+    why = next(e for e in job["events"] if e["kind"] == "RelayedPath")["message"]
+    assert "h1 (container-only), h2 (container-only), h3 (container-only) cannot join" in why
+    assert "the members share no private network" in why
+    assert "RelayedPath" in rig.muster(ctl, "describe", job_id)
+    probe = next(e for e in job["events"] if e["kind"] == "Probe")["data"]
+    assert probe["path"] == "relayed", probe
+    assert len(probe["pairs"]) == 3, probe
+    assert all(p["via"] == "relayed" and p["tcpGbps"] > 0.01 for p in probe["pairs"]), probe
+    ready = next(e for e in job["events"] if e["kind"] == "NetworkReady")
+    assert ready["data"]["path"] == "relayed"
+
     lines = rig.api("logs", job_id)["lines"]
+    envs = {ln["rank"]: ln["text"] for ln in lines if ln["text"].startswith("env ")}
+    assert sorted(envs) == list(range(6)), lines
+    for rank, text in envs.items():
+        env = dict(item.split("=", 1) for item in text.split()[1:])
+        assert env["MUSTER_GANG_TRANSPORT"] == "relayed", (rank, env)
+        assert env["NCCL_NET"] == "Socket"
+        assert sorted(env["MUSTER_NODE_IPS"].split(",")) == sorted(h.address for h in hosts)
+        assert env["MASTER_ADDR"] in {h.address for h in hosts}
     trained = [ln["text"] for ln in lines if ln["text"].startswith("trained")]
-    assert trained == ["trained sum=6 expected=6"] * 3, lines
+    assert trained == ["trained sum=21 expected=21"] * 6, lines
     assert [ln["text"] for ln in lines if ln["text"].startswith("step")][-1] == "step 50"
     # Every member lost its link to the killed relay mid-run, and went on through the other.
     for host in hosts:
         said = rig.log(host, "agent").read_text()
         assert f"relay {ctl.address}:{RELAY_PORTS[0]}: " in said, said[-2000:]
+        assert "relayed endpoint up" in said
+
+    # Still nothing between the hosts; what went through the relays was metered (the
+    # controller reads the relays every 10 s).
+    assert not rig.reaches(h1, h2.address)
+    deadline = time.monotonic() + 30
+    usage = rig.api("usage", job_id)
+    while not all(m["relayed_bytes"] > 0 for m in usage["members"]):
+        assert time.monotonic() < deadline, usage
+        time.sleep(1)
+        usage = rig.api("usage", job_id)
+    assert [m["node"] for m in usage["members"]] == [0, 1, 2]
+    assert f"job {job_id} (relayed):" in rig.muster(ctl, "usage", job_id)
