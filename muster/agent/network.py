@@ -21,6 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from muster.agent.fallback import Fallback
 from muster.agent.relayed import RelayedNetwork
 from muster.net import cgroup, firewall
 from muster.net.endpoint import public_endpoint
@@ -62,6 +63,8 @@ class GangNetwork:
     ) -> None:
         self.send = send
         self.relayed = RelayedNetwork(send, python)  # the relayed path's endpoints
+        self.fallback: Fallback | None = None  # a direct gang's way through the relays
+        self.peer_nodes: dict[str, int] = {}  # mesh address -> node rank (NET_PEERS)
         self.path_timeout = path_timeout
         self.handshake_timeout = handshake_timeout
         self.firewall = firewall.Firewall(worker_id)
@@ -142,6 +145,13 @@ class GangNetwork:
             for p in body.get("peers") or []
         ]
         self.peer_keys = {p.address: p.public_key for p in peers}
+        self.peer_nodes = {
+            str(p["address"]): int(p["node"])
+            for p in body.get("peers") or []
+            if p.get("node") is not None
+        }
+        if body.get("relays"):
+            await self._start_fallback(body)
         try:
             async with self._lock:  # (not held while waiting: a STOP may take the device down)
                 await asyncio.to_thread(self.device.set_peers, peers)
@@ -160,6 +170,35 @@ class GangNetwork:
             await self.send(Kind.NET_READY, {**ids, "error": why, "silent": silent_at})
             return
         await self.send(Kind.NET_UP, ids)
+
+    async def _start_fallback(self, body: dict[str, Any]) -> None:
+        """Attach to the relays, so a pair that loses its path can go on through them."""
+        await self._close_fallback()
+        relays = [(str(r["host"]), int(r["port"])) for r in body["relays"]]
+        tickets = {i: list(r.get("tickets") or []) for i, r in enumerate(body["relays"])}
+        fallback = Fallback(
+            str(body.get("gang")),
+            int(body["node_rank"]),
+            relays,
+            tickets,
+            self.device.port,
+            self._set_endpoint,
+        )
+        try:
+            await fallback.start()
+        except OSError as exc:  # the gang runs without it: a lost path then just waits
+            log.warning("job %s: no fallback through the relays: %s", body.get("job"), exc)
+            return
+        self.fallback = fallback
+
+    async def _close_fallback(self) -> None:
+        fallback, self.fallback = self.fallback, None
+        if fallback is not None:
+            await fallback.close()
+
+    async def _set_endpoint(self, public_key: str, endpoint: str) -> None:
+        async with self._lock:
+            await asyncio.to_thread(self.device.set_endpoint, public_key, endpoint)
 
     async def _await_handshakes(
         self, peers: list[Peer], owner: tuple[str, int] | None
@@ -184,6 +223,13 @@ class GangNetwork:
         if closing:
             self.closed = True
         await self.relayed.down(job, epoch)
+        owner = self.owner
+        if (
+            owner is not None
+            and (job is None or owner[0] == job)
+            and (epoch is None or owner[1] == epoch)
+        ):
+            await self._close_fallback()
         async with self._lock:
             owner = self.owner
             if owner is None or (job is not None and owner[0] != job):
@@ -228,6 +274,17 @@ class GangNetwork:
                     heard[key] = (count, now)
                 elif now - before[1] >= self.path_timeout:
                     lost.append(address)
+            fallback = self.fallback
+            if fallback is not None:
+                for address in lost:  # on through the relays; still a lost direct path
+                    node, peer = self.peer_nodes.get(address), self.peer_keys.get(address)
+                    if node is not None and peer is not None and node not in fallback.diverted:
+                        try:
+                            await fallback.divert(node, peer)
+                        except Exception as exc:
+                            log.warning("job %s: diverting node%d failed: %r", owner[0], node, exc)
+                diverted = {a for a, n in self.peer_nodes.items() if n in fallback.diverted}
+                lost = sorted(set(lost) | diverted)
             lost.sort()
             if link != self.links:  # a new link (a restarted controller knows nothing yet)
                 link, reported = self.links, None

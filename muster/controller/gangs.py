@@ -299,6 +299,7 @@ class Controller:
             elif isinstance(action, SendNetPeers):
                 peers = [
                     {
+                        "node": node,
                         "public_key": key,
                         "endpoint": endpoint,
                         "address": mesh_address(node, entry.mesh),
@@ -306,6 +307,9 @@ class Controller:
                     for node, key, endpoint in action.peers
                 ]
                 order = {"job": job, "epoch": epoch, "node_rank": action.node, "peers": peers}
+                if self.relays:  # a pair that loses its path goes on through them
+                    order["gang"] = f"{job}/{epoch}"
+                    order["relays"] = self._relay_list(entry, action.node)
                 await send(action.worker, Kind.NET_PEERS, order)
             elif isinstance(action, SendProbeListen):
                 where = self._path_addresses(entry)[action.node]
@@ -887,32 +891,37 @@ class Controller:
         endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         return NetReady(node, key, endpoint)
 
-    def _relayed_peers(self, entry: RunEntry, action: SendNetPeers) -> dict[str, Any]:
-        """NET_PEERS of the relayed path: the peers' keys and addresses, the relays, and
-        single-use tickets that admit this member to each relay (muster.net.relaywire)."""
+    def _relay_list(self, entry: RunEntry, node: int) -> list[dict[str, Any]]:
+        """The relays with single-use tickets admitting member ``node`` of the run's gang to
+        each (muster.net.relaywire), at its share of the gang's rate."""
         gang = f"{entry.gang.job}/{entry.gang.epoch}"
         asked = entry.spec.gang.relay_gbps or RELAY_DEFAULT_GBPS
         gbps = min(asked, self.relay_max_gbps)
         rate = gbps * 1e9 / 8 / len(entry.gang.members)  # bytes/s, each member's share
+        return [
+            {
+                "host": host,
+                "port": port,
+                "tickets": [
+                    issue_ticket(self.relay_secret, gang, node, rate=rate)
+                    for _ in range(RELAY_TICKETS)
+                ],
+            }
+            for host, port in self.relays
+        ]
+
+    def _relayed_peers(self, entry: RunEntry, action: SendNetPeers) -> dict[str, Any]:
+        """NET_PEERS of the relayed path: the peers' keys and addresses, the relays, and
+        the member's tickets for them."""
         return {
             "job": entry.gang.job,
             "epoch": entry.gang.epoch,
             "node_rank": action.node,
             "path": PathClass.RELAYED.value,
-            "gang": gang,
+            "gang": f"{entry.gang.job}/{entry.gang.epoch}",
             "addresses": list(self._path_addresses(entry)),
             "peers": [{"node": node, "public_key": key} for node, key, _ in action.peers],
-            "relays": [
-                {
-                    "host": host,
-                    "port": port,
-                    "tickets": [
-                        issue_ticket(self.relay_secret, gang, action.node, rate=rate)
-                        for _ in range(RELAY_TICKETS)
-                    ],
-                }
-                for host, port in self.relays
-            ],
+            "relays": self._relay_list(entry, action.node),
         }
 
     def _path_addresses(self, entry: RunEntry) -> tuple[str, ...]:

@@ -55,6 +55,7 @@ ACK_DELAY_S = 0.02
 RESEND_AFTER_S = 1.0
 OPEN_TIMEOUT_S = 60.0
 REDIAL_S = 0.5
+DATAGRAM_BACKLOG = 4 * 1024 * 1024  # bytes queued on a link before datagrams are dropped
 
 _PACKET = struct.Struct("!BQ")
 _MESSAGE = struct.Struct("!BI")
@@ -317,20 +318,28 @@ class Endpoint:
         gang: str,
         me: int,
         addresses: list[str],
-        private: X25519PrivateKey,
+        private: X25519PrivateKey | None,
         peer_keys: dict[int, bytes],
         relays: list[tuple[str, int]],
         ticket: TicketSource,
+        on_datagram: Callable[[int, bytes], None] | None = None,
     ) -> None:
         self.gang = gang
+        # Datagram mode (a direct gang's fallback, muster.agent.fallback): DATA frames are
+        # handed over whole, already sealed by WireGuard; no sessions, no SOCKS5 listener.
+        self.on_datagram = on_datagram
         self.me = me
         self.addresses = addresses
-        self.own_address = addresses[me]
+        self.own_address = addresses[me] if addresses else ""
         self.by_address = {ipaddress.ip_address(a): n for n, a in enumerate(addresses) if n != me}
-        self.sessions = {
-            peer: _Session(self, peer, *pair_keys(private, key, gang, me, peer))
-            for peer, key in peer_keys.items()
-        }
+        self.sessions = (
+            {
+                peer: _Session(self, peer, *pair_keys(private, key, gang, me, peer))
+                for peer, key in peer_keys.items()
+            }
+            if private is not None
+            else {}
+        )
         self.relays = relays
         self.ticket = ticket
         self.links: dict[int, asyncio.StreamWriter] = {}  # relay index -> link, while up
@@ -353,7 +362,8 @@ class Endpoint:
         task.add_done_callback(self._tasks.discard)
 
     async def start(self) -> None:
-        self.server = await asyncio.start_server(self._socks, "127.0.0.1", 0)
+        if self.on_datagram is None:
+            self.server = await asyncio.start_server(self._socks, "127.0.0.1", 0)
         for index in range(len(self.relays)):
             self.spawn(self._link(index))
         self.spawn(self._watch())
@@ -415,10 +425,14 @@ class Endpoint:
             if kind is not Kind.DATA:
                 continue
             gang, src, dst, payload = parse_data(body)
-            session = self.sessions.get(src)
-            if gang != self.gang or dst != self.me or session is None:
+            if gang != self.gang or dst != self.me:
                 continue
-            await session.received(payload)
+            if self.on_datagram is not None:
+                self.on_datagram(src, bytes(payload))
+                continue
+            session = self.sessions.get(src)
+            if session is not None:
+                await session.received(payload)
 
     async def transmit(self, packet: bytes) -> None:
         """One frame onto the active relay's link (waiting, bounded by the resend, for one)."""
@@ -436,6 +450,17 @@ class Endpoint:
                     await asyncio.wait_for(self.up.wait(), RESEND_AFTER_S)
                 except TimeoutError:
                     return  # kept unacked: resent once a relay is up
+
+    def send_now(self, packet: bytes) -> bool:
+        """Datagram mode: onto the active link at once, or dropped (no link up, or more than
+        DATAGRAM_BACKLOG waiting on it): what it carries resends its own."""
+        writer = self.links.get(self.active) if self.active is not None else None
+        if writer is None or writer.is_closing():
+            return False
+        if writer.transport.get_write_buffer_size() > DATAGRAM_BACKLOG:
+            return False
+        writer.write(packet)
+        return True
 
     async def _watch(self) -> None:
         """Resend what stalls: no ack progress for RESEND_AFTER_S with data outstanding."""

@@ -240,6 +240,10 @@ class Device:
                  "allowed-ips", f"{peer.address}/32",
                  "persistent-keepalive", str(KEEPALIVE_S))  # fmt: skip
 
+    def set_endpoint(self, public_key: str, endpoint: str) -> None:
+        """Send the peer's packets to ``endpoint`` from now on (the relays' fallback)."""
+        _run("wg", "set", self.name, "peer", public_key, "endpoint", endpoint)
+
     def handshakes(self) -> dict[str, float]:
         """Peer public key -> seconds since the epoch of its latest handshake (0: none)."""
         out = _run("wg", "show", self.name, "latest-handshakes")

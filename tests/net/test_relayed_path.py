@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.net.conftest import needs
 from tests.net.rig import Host, Rig
 
 pytestmark = pytest.mark.timeout(300)
@@ -154,3 +155,92 @@ def test_a_gloo_job_trains_relayed_between_hosts_that_cannot_reach_each_other(
         usage = rig.api("usage", job_id)
     assert [m["node"] for m in usage["members"]] == [0, 1, 2]
     assert f"job {job_id} (relayed):" in rig.muster(ctl, "usage", job_id)
+
+
+def test_a_direct_pair_that_loses_its_path_goes_on_through_the_relays(
+    rig: Rig, tmp_path: Path
+) -> None:
+    """A direct gang (hosts that can make devices, in two regions) with relays known to the
+    controller: once training runs, the router drops all UDP between the regions (WireGuard
+    can no longer cross), yet TCP to the relays still flows. Within the agents'
+    --path-timeout the job is NetworkDegraded, the agents divert the pair's WireGuard
+    packets through the relays, and training goes on to the end on the same connections."""
+    needs("wg", "wireguard-go", "nft")
+    h1, h2 = rig.two_regions(2)
+    ctl = rig.hosts["ctl"]
+    secret = rig.root / "relay.secret"
+    secret.write_text(secrets.token_hex(32))
+    os.chmod(secret, 0o600)
+    for port, other in zip(RELAY_PORTS, reversed(RELAY_PORTS), strict=True):
+        argv = [
+            sys.executable, "-m", "muster", "relay",
+            "--listen", f"{ctl.address}:{port}", "--peer", f"{ctl.address}:{other}",
+            "--secret-file", str(secret),
+        ]  # fmt: skip
+        rig.spawn(ctl, f"relay{port}", *argv)
+    flags = [a for port in RELAY_PORTS for a in ("--relay", f"{ctl.address}:{port}")]
+    rig.start_controller(ctl, *flags, "--relay-secret-file", str(secret))
+    for host in (h1, h2):
+        rig.start_agent(host, "--path-timeout", "5")
+    rig.wait_for_workers(["h1", "h2"])
+    release = tmp_path / "release"
+    script = (
+        "import os, time, torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "t, step = torch.ones(1 << 16), 0\n"
+        f"while not os.path.exists({str(release)!r}):\n"
+        "    dist.all_reduce(t)\n"
+        "    step += 1\n"
+        "    if step % 20 == 0 and dist.get_rank() == 0:\n"
+        "        print(f'step {step}', flush=True)\n"
+        "    time.sleep(0.05)\n"
+        "dist.barrier()\n"
+        "print('done', flush=True)\n"
+        "os._exit(0)\n"
+    )
+    root = tmp_path / "direct"
+    root.mkdir()
+    (root / "train.py").write_text(script)
+    (root / "job.yaml").write_text(
+        "name: fallback\nentrypoint: train.py\ntimeout: 5m\n"
+        "distributed: {num_workers: 2, procs_per_worker: 1, backend: gloo, probe_seconds: 1}\n"
+    )
+    job_id = rig.muster(ctl, "submit", str(root / "job.yaml")).strip()
+
+    def steps() -> int:
+        lines = rig.api("logs", job_id)["lines"]
+        done = [int(ln["text"].split()[1]) for ln in lines if ln["text"].startswith("step ")]
+        return max(done, default=0)
+
+    deadline = time.monotonic() + 120
+    while steps() < 20:
+        job = rig.api("job", job_id)
+        assert job["state"] not in ("failed", "cancelled", "succeeded"), job["root_cause"]
+        assert time.monotonic() < deadline, rig.log_tails()
+        time.sleep(0.5)
+    assert rig.api("job", job_id)["path_class"] == "direct"
+    rig.nft(
+        rig.hosts["r1"],
+        "table ip rig_block {\n"
+        "  chain forward { type filter hook forward priority -10; meta l4proto udp drop; }\n"
+        "}\n",
+    )
+    deadline = time.monotonic() + 60
+    while True:
+        job = rig.api("job", job_id)
+        degraded = {c["type"]: c for c in job["conditions"]}.get("NetworkDegraded")
+        if degraded and degraded["status"] == "True":
+            break
+        assert time.monotonic() < deadline, (job["conditions"], rig.log_tails())
+        time.sleep(0.5)
+    before = steps()
+    deadline = time.monotonic() + 60
+    while steps() < before + 40:  # training goes on: through the relays now
+        assert rig.api("job", job_id)["state"] == "running", rig.log_tails()
+        assert time.monotonic() < deadline, rig.log_tails()
+        time.sleep(0.5)
+    release.write_text("")
+    job = rig.wait_done(job_id, timeout=120)
+    assert job["state"] == "succeeded", (job["root_cause"], rig.log_tails())
+    said = rig.log(h1, "agent").read_text() + rig.log(h2, "agent").read_text()
+    assert "through the relays now" in said, said[-3000:]
