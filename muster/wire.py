@@ -128,6 +128,11 @@ class Kind(IntEnum):
     MASTER_CHECK = 73
     # A->C: {job, epoch, node_rank, error: str | null, torch: str | null, nccl: str | null}
     MASTER_CHECKED = 74
+    # A->C: more single-use relay tickets for this member (its stock ran low or is about to
+    # expire): {job, epoch, node_rank}; C->A RELAY_TICKETS_ISSUED: {job, epoch, node_rank,
+    # relays: [{host, port, tickets}]}. Answered at most every RELAY_TICKETS_EVERY_S.
+    RELAY_TICKETS = 75
+    RELAY_TICKETS_ISSUED = 76
 
 
 OPEN_PREFIX = "open-"  # the worker ids of links admitted without the join secret

@@ -513,6 +513,8 @@ class Agent:
             await self._prepare(body)
         elif frame.kind is Kind.MASTER_CHECK:
             self._in_background(self._master_check(body))
+        elif frame.kind is Kind.RELAY_TICKETS_ISSUED:
+            self.network.add_tickets(body)
         elif frame.kind is Kind.ASSIGN:
             await self.network.probe_close()  # every pair was measured before any ASSIGN
             self._start(body)
@@ -586,7 +588,7 @@ class Agent:
     async def _prepare(self, body: dict[str, Any]) -> None:
         addr = str(body["addr"])
         try:
-            port = self.holds.hold(str(body["job"]), body["epoch"], addr, body.get("port"))
+            port = await self.holds.hold(str(body["job"]), body["epoch"], addr, body.get("port"))
         except OSError as exc:
             await self.send(
                 Kind.MEMBER_EXITED,
@@ -625,6 +627,10 @@ class Agent:
 
     def _start(self, assignment: dict[str, Any]) -> None:
         job = str(assignment["job"])
+        # Node 0: torchrun's store takes the port next. Let go now, not after the bundle's
+        # fetch: the other members' ranks may dial it meanwhile and must meet a refusal
+        # (which they retry), not a held socket that closes under them.
+        self.holds.release(job)
         http = httpx.AsyncClient(
             base_url=self.config.controller,
             timeout=60,

@@ -52,7 +52,7 @@ class Fallback:
         gang: str,
         me: int,
         relays: list[tuple[str, int]],
-        tickets: dict[int, list[str]],
+        ticket: Callable[[int], Awaitable[str]],
         wg_port: int,
         set_endpoint: SetEndpoint,
     ) -> None:
@@ -63,13 +63,6 @@ class Fallback:
         self.sockets: dict[int, _Loopback] = {}
         self.diverted: set[int] = set()
         self.dropped = 0  # datagrams with no relay link to take them
-
-        async def ticket(index: int) -> str:
-            left = tickets.get(index) or []
-            if not left:
-                raise ConnectionError(f"no ticket left for relay {relays[index]}")
-            return left.pop(0)
-
         self.endpoint = Endpoint(
             gang, me, [], None, {}, relays, ticket, on_datagram=self._from_relay
         )

@@ -196,16 +196,21 @@ class MemberRun:
             env[DIAG_DIR_ENV] = self.diag_dir
         self.kernel_log = await asyncio.to_thread(KernelLog)  # what the kernel says from now on
         self.release_port()  # node 0: torchrun's store binds it next
-        self.proc = await self.spawn(
-            *argv,
-            cwd=run_dir,
-            env=env,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            start_new_session=True,
-            preexec_fn=_before_exec(self.group, self.guarded),
-        )
+        try:
+            self.proc = await self.spawn(
+                *argv,
+                cwd=run_dir,
+                env=env,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                start_new_session=True,
+                preexec_fn=_before_exec(self.group, self.guarded),
+            )
+        except BaseException:
+            if self.diag_dir is not None:  # (nothing will serve there)
+                shutil.rmtree(self.diag_dir, True)
+            raise
         if self.group is not None and not await asyncio.to_thread(
             cgroup.member_of, self.proc.pid, self.group
         ):

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from muster.agent.fallback import Fallback
-from muster.agent.relayed import RelayedNetwork
+from muster.agent.relayed import RelayedNetwork, TicketStock
 from muster.net import cgroup, firewall
 from muster.net.endpoint import public_endpoint
 from muster.net.probe import (
@@ -64,6 +64,7 @@ class GangNetwork:
         self.send = send
         self.relayed = RelayedNetwork(send, python)  # the relayed path's endpoints
         self.fallback: Fallback | None = None  # a direct gang's way through the relays
+        self.fallback_tickets: TicketStock | None = None
         self.peer_nodes: dict[str, int] = {}  # mesh address -> node rank (NET_PEERS)
         self.path_timeout = path_timeout
         self.handshake_timeout = handshake_timeout
@@ -175,12 +176,13 @@ class GangNetwork:
         """Attach to the relays, so a pair that loses its path can go on through them."""
         await self._close_fallback()
         relays = [(str(r["host"]), int(r["port"])) for r in body["relays"]]
-        tickets = {i: list(r.get("tickets") or []) for i, r in enumerate(body["relays"])}
+        ids = {k: body.get(k) for k in ("job", "epoch", "node_rank")}
+        self.fallback_tickets = TicketStock(list(body["relays"]), ids, self.send)
         fallback = Fallback(
             str(body.get("gang")),
             int(body["node_rank"]),
             relays,
-            tickets,
+            self.fallback_tickets.take,
             self.device.port,
             self._set_endpoint,
         )
@@ -190,6 +192,14 @@ class GangNetwork:
             log.warning("job %s: no fallback through the relays: %s", body.get("job"), exc)
             return
         self.fallback = fallback
+
+    def add_tickets(self, body: dict[str, Any]) -> None:
+        """RELAY_TICKETS_ISSUED: to the relayed endpoint's stock, or the fallback's."""
+        self.relayed.add_tickets(body)
+        stock = self.fallback_tickets
+        mine = stock is not None and stock.ids.get("job") == body.get("job")
+        if stock is not None and mine and stock.ids.get("epoch") == body.get("epoch"):
+            stock.add(list(body.get("relays") or []))
 
     async def _close_fallback(self) -> None:
         fallback, self.fallback = self.fallback, None

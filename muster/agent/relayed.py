@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -22,12 +23,43 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from muster.errors import InfrastructureError
 from muster.net import shim
 from muster.net.relayed import Endpoint, new_key
+from muster.net.relaywire import ticket_expires
 from muster.plan.env import Shim
 from muster.wire import Kind
 
 log = logging.getLogger("muster.agent")
 
 UP_TIMEOUT_S = 30.0  # a relay admits the endpoint within this, or the epoch is fenced
+TICKET_MARGIN_S = 60.0  # a ticket that expires sooner than this is not used
+ASK_EVERY_S = 5.0  # the controller is asked for tickets at most this often
+
+
+class TicketStock:
+    """A member's single-use relay tickets (from NET_PEERS), refreshed from the controller
+    (RELAY_TICKETS) when they run low or near their expiry: a link redialled hours into the
+    run is admitted like the first."""
+
+    def __init__(self, relays: list[dict[str, Any]], ids: dict[str, Any], send: Send) -> None:
+        self.stock = {i: [str(t) for t in r.get("tickets") or []] for i, r in enumerate(relays)}
+        self.ids = ids
+        self.send = send
+        self.asked = 0.0
+
+    async def take(self, index: int) -> str:
+        left = self.stock.setdefault(index, [])
+        while left and ticket_expires(left[0]) < time.time() + TICKET_MARGIN_S:
+            left.pop(0)
+        if len(left) <= 2 and time.monotonic() - self.asked > ASK_EVERY_S:
+            self.asked = time.monotonic()
+            await self.send(Kind.RELAY_TICKETS, dict(self.ids))
+        if not left:
+            raise ConnectionError("no relay ticket left; asked the controller for more")
+        return left.pop(0)
+
+    def add(self, relays: list[dict[str, Any]]) -> None:
+        for index, relay in enumerate(relays):
+            self.stock[index] = [str(t) for t in relay.get("tickets") or []]
+
 
 Send = Callable[[Kind, dict[str, Any]], Awaitable[object]]
 
@@ -38,6 +70,7 @@ class RelayedNetwork:
         self.python = python
         self.keys: dict[tuple[str, Any], X25519PrivateKey] = {}  # (job, epoch) -> its key
         self.endpoints: dict[str, tuple[Any, Endpoint]] = {}  # job -> (epoch, endpoint)
+        self.stocks: dict[str, TicketStock] = {}  # job -> its member's relay tickets
 
     async def setup(self, body: dict[str, Any]) -> None:
         ids = {k: body.get(k) for k in ("job", "epoch", "node_rank")}
@@ -67,13 +100,8 @@ class RelayedNetwork:
             log.warning("NET_PEERS for job %s, which has no relayed key here", job)
             return
         relays = [(str(r["host"]), int(r["port"])) for r in body.get("relays") or []]
-        tickets = {i: list(r.get("tickets") or []) for i, r in enumerate(body.get("relays") or [])}
-
-        async def ticket(index: int) -> str:
-            left = tickets.get(index) or []
-            if not left:
-                raise ConnectionError(f"no ticket left for relay {relays[index]}")
-            return str(left.pop(0))
+        stock = TicketStock(list(body.get("relays") or []), ids, self.send)
+        self.stocks[job] = stock
 
         peers = {
             int(p["node"]): base64.b64decode(str(p["public_key"])) for p in body.get("peers") or []
@@ -85,9 +113,9 @@ class RelayedNetwork:
             private,
             peers,
             relays,
-            ticket,
+            stock.take,
         )
-        await self.down(job)
+        await self.down(job, keep_key=epoch)
         try:
             await endpoint.start()
             await asyncio.wait_for(endpoint.up.wait(), UP_TIMEOUT_S)
@@ -96,6 +124,9 @@ class RelayedNetwork:
             where = ", ".join(f"{h}:{p}" for h, p in relays)
             why = f"no relay admitted this member within {UP_TIMEOUT_S:.0f}s ({where}): {exc}"
             await self.send(Kind.NET_READY, {**ids, "error": why})
+            return
+        if (job, epoch) not in self.keys:  # stopped while it waited: nothing more of it
+            await endpoint.close()
             return
         self.endpoints[job] = (epoch, endpoint)
         log.info("job %s: relayed endpoint up (SOCKS5 %s)", job, endpoint.socks)
@@ -108,8 +139,20 @@ class RelayedNetwork:
             return None
         return Shim(shim.library(), held[1].socks)
 
-    async def down(self, job: str | None = None, epoch: Any = None) -> None:
-        """Close the endpoint of ``job`` (of that epoch only, when given; all when None)."""
+    def add_tickets(self, body: dict[str, Any]) -> None:
+        """RELAY_TICKETS_ISSUED: a fresh stock for the member's links."""
+        stock = self.stocks.get(str(body.get("job")))
+        if stock is not None and stock.ids.get("epoch") == body.get("epoch"):
+            stock.add(list(body.get("relays") or []))
+
+    async def down(self, job: str | None = None, epoch: Any = None, keep_key: Any = None) -> None:
+        """Close the endpoint of ``job`` (of that epoch only, when given; all when None) and
+        forget its keys (but ``keep_key``'s epoch)."""
+        for key in [k for k in self.keys if job is None or k[0] == job]:
+            if key[1] != keep_key and (epoch is None or key[1] == epoch):
+                del self.keys[key]
+        if job is not None and keep_key is None:
+            self.stocks.pop(job, None)
         for name in [job] if job is not None else list(self.endpoints):
             held = self.endpoints.get(name)
             if held is None or (epoch is not None and held[0] != epoch):

@@ -54,9 +54,9 @@ class Holds:
     """The rendezvous ports this agent holds for node 0 of a job, one per job."""
 
     def __init__(self) -> None:
-        self._held: dict[str, tuple[Any, int, socket.socket, asyncio.TimerHandle]] = {}
+        self._held: dict[str, tuple[Any, int, asyncio.AbstractServer, asyncio.TimerHandle]] = {}
 
-    def hold(self, job: str, epoch: Any, addr: str, port: int | None) -> int:
+    async def hold(self, job: str, epoch: Any, addr: str, port: int | None) -> int:
         """Listen on ``port`` (a free one when None) for the job's epoch and return it; the
         same epoch asked again (a controller that restarted) gets the port it holds."""
         current = self._held.get(job)
@@ -70,13 +70,16 @@ class Holds:
             # Every address, as torchrun's store binds: the advertised address may be a
             # NAT's or an elastic one that no local interface holds.
             sock.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", port or 0))
-            sock.listen(64)
+            sock.listen(128)
+            sock.setblocking(False)
+            # Every dial is accepted and closed at once: a gang of any size finds room.
+            server = await asyncio.start_server(_close_at_once, sock=sock)
         except OSError:
             sock.close()
             raise
         held = int(sock.getsockname()[1])
         timer = asyncio.get_running_loop().call_later(HOLD_MAX_S, self.release, job, epoch)
-        self._held[job] = (epoch, held, sock, timer)
+        self._held[job] = (epoch, held, server, timer)
         return held
 
     def release(self, job: str, epoch: Any = None) -> None:
@@ -97,6 +100,10 @@ class Holds:
             self.release(job)
 
 
+async def _close_at_once(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    writer.close()
+
+
 async def _open(addr: str, port: int, via: str | None) -> asyncio.StreamWriter:
     """A TCP connection to addr:port: directly, or through the SOCKS5 endpoint ``via``
     (host:port; the relayed path's, muster.net.relayed), as the ranks' shim would."""
@@ -105,7 +112,7 @@ async def _open(addr: str, port: int, via: str | None) -> asyncio.StreamWriter:
         return writer
     host, _, socks_port = via.rpartition(":")
     reader, writer = await asyncio.open_connection(host, int(socks_port))
-    try:
+    try:  # (closed on any way out but success, a cancellation included)
         writer.write(b"\x05\x01\x00")
         if await reader.readexactly(2) != b"\x05\x00":
             raise ConnectionRefusedError(111, "the relayed endpoint refused the handshake")
@@ -117,6 +124,9 @@ async def _open(addr: str, port: int, via: str | None) -> asyncio.StreamWriter:
     except (asyncio.IncompleteReadError, ValueError) as exc:
         writer.close()
         raise ConnectionResetError(104, f"the relayed endpoint: {exc}") from exc
+    except BaseException:
+        writer.close()
+        raise
     if reply[1] != 0:
         writer.close()
         raise ConnectionRefusedError(111, "Connection refused (through the relays)")

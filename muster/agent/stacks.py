@@ -192,7 +192,10 @@ async def flight_ranks(
         if not os.path.exists(path):
             return None
         dump = await asyncio.to_thread(flight_dump, path, timeout)
-        return parked(dump, time.time_ns()) if dump is not None else None
+        try:
+            return parked(dump, time.time_ns()) if dump is not None else None
+        except (TypeError, ValueError, KeyError, AttributeError):
+            return None  # not the shape torch writes: that rank says nothing of it
 
     wanted = sorted(ranks)
     found = await asyncio.gather(*(one(r) for r in wanted))

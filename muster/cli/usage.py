@@ -18,7 +18,7 @@ def usage(
     token_file: Path | None = TokenFileOpt,
 ) -> None:
     """What each member of a relayed job sent through the relays (GiB, as the relays
-    metered it; read every 10 s while the job runs)."""
+    metered it; read every 5 s while the job runs)."""
     answer = client(controller, token_file).usage(job_id)
     out.print(
         f"job {answer['job']} ({answer.get('path_class') or 'not placed'}): "

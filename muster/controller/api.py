@@ -181,7 +181,7 @@ async def window(job_id: str, request: Request) -> dict[str, Any]:
 async def usage(job_id: str, request: Request) -> dict[str, Any]:
     """What the job's members sent through the relays, as the relays metered it:
     ``relayed_bytes`` and ``members`` [{node, worker, relayed_bytes}] (0 off the relayed
-    path). Live while the job runs (read every 10 s), its record once it is over."""
+    path). Live while the job runs (read every 5 s), its record once it is over."""
     ctl = controller(request)
     job = await job_detail(store(request), ctl, job_id)
     return usage_answer(job, ctl.relay_usage.of(job_id), job["events"])

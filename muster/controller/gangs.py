@@ -113,6 +113,7 @@ T = TypeVar("T")
 SUPPORTED_PATHS = frozenset({PathClass.PRIVATE, PathClass.DIRECT})
 RELAY_TICKETS = 8  # per member and relay in NET_PEERS: each admits one (re)dial
 RELAY_DEFAULT_GBPS = 1.0  # a relayed gang's cap when its spec names none
+RELAY_TICKETS_EVERY_S = 5.0  # a member's RELAY_TICKETS is answered at most this often
 RESTART_GRACE_HEARTBEATS = 3  # after a restart, runs wait this many heartbeat timeouts
 _SENDS = (
     SendNetSetup,
@@ -172,6 +173,7 @@ class Controller:
         self.relays: tuple[tuple[str, int], ...] = ()  # muster relays the relayed path uses
         self.relay_secret = b""  # shared with them: the tickets' MAC key
         self.relay_max_gbps = RELAY_DEFAULT_GBPS  # the most a relayed gang may ask for
+        self._tickets_sent: dict[tuple[str, int], float] = {}  # (job, node) -> last answer
         self.windows = WindowDesk(self)  # join windows of membership: window jobs
         self.stacks = StackDesk(self)  # muster stacks: the ranks' Python stacks
         self.relay_usage = RelayUsage(self)  # what relayed gangs sent (muster usage)
@@ -834,6 +836,27 @@ class Controller:
             event = MemberHung(node, bool(body.get("hung")), (first, last), int(body["silent_s"]))
         elif kind is Kind.RENDEZVOUS_READY:
             event = PortPublished(node, str(body["addr"]), int(body["port"]))
+        elif kind is Kind.RELAY_TICKETS:
+            # More relay tickets for this member of this epoch (at most one answer every
+            # RELAY_TICKETS_EVERY_S per member: each ticket admits it once, to its gang only).
+            key = (job, node)
+            now = time.monotonic()
+            if self.relays and now - self._tickets_sent.get(key, 0.0) >= RELAY_TICKETS_EVERY_S:
+                if len(self._tickets_sent) > 10_000:  # (bounded: answers older than a minute)
+                    self._tickets_sent = {
+                        k: t for k, t in self._tickets_sent.items() if now - t < 60
+                    }
+                self._tickets_sent[key] = now
+                await link.send(
+                    Kind.RELAY_TICKETS_ISSUED,
+                    {
+                        "job": job,
+                        "epoch": entry.gang.epoch,
+                        "node_rank": node,
+                        "relays": self._relay_list(entry, node),
+                    },
+                )
+            return nothing
         elif kind is Kind.MASTER_CHECKED:
             error = body.get("error")
             event = MasterChecked(

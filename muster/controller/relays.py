@@ -1,6 +1,6 @@
 """What relayed gangs sent through the relays, as the relays metered it (``muster usage``).
 
-Every USAGE_EVERY_S the controller asks each relay it knows (a USAGE hello that proves the
+Every USAGE_EVERY_S (5 s) the controller asks each relay it knows (a USAGE hello that proves the
 shared secret, muster.net.relaywire) for its counters: bytes each member of each gang sent.
 Counters are the relay's own since it started; the controller adds what grew since its last
 look (a counter that went down is a relay that restarted: all of it is new). The sum per job
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from muster.controller.gangs import Controller
 
 log = logging.getLogger("muster.controller")
-USAGE_EVERY_S = 10.0
+USAGE_EVERY_S = 5.0
 ASK_TIMEOUT_S = 5.0
 
 
@@ -52,7 +52,8 @@ class RelayUsage:
         self.seen: dict[tuple[str, int, str, int], int] = {}  # (relay, its port, gang, member)
         self.jobs: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
         self.failing: set[tuple[str, int]] = set()
-        self.written: set[str] = set()
+        self.written: dict[str, int] = {}  # job -> the total its last RelayedUsage recorded
+        self.known: set[tuple[str, int]] = set()  # relays read at least once
 
     async def run(self) -> None:
         while True:
@@ -72,6 +73,13 @@ class RelayUsage:
             if (host, port) in self.failing:
                 log.info("relay %s:%d answers again", host, port)
                 self.failing.discard((host, port))
+            if (host, port) not in self.known:
+                # The first read since this controller started: counts from before it are
+                # not known to be unrecorded (a restart would count them twice). Baseline.
+                self.known.add((host, port))
+                for gang, member, sent in counters:
+                    self.seen[(host, port, gang, member)] = sent
+                continue
             self._add(host, port, counters)
         self._write_finished()
 
@@ -89,10 +97,10 @@ class RelayUsage:
     def _write_finished(self) -> None:
         """A RelayedUsage event for each job whose run is over (once)."""
         for job, nodes in self.jobs.items():
-            if job in self.c.runs or job in self.written:
-                continue
-            self.written.add(job)
             total = sum(nodes.values())
+            if job in self.c.runs or self.written.get(job) == total:
+                continue
+            self.written[job] = total
             self.c.writer.submit(
                 [
                     EventWrite(

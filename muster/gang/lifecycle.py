@@ -884,6 +884,7 @@ def _link_back(turn: _Turn, event: LinkBack) -> None:
             and not over
         ):
             turn.emit(SendPrepareRendezvous(member.worker, run.master_addr, run.port))
+            turn.update(0, holding=True)
     elif member.gone:
         if report is None and _awaits_outputs(member) and not over:
             _fail(turn, JobState.FAILED, f"{who} before its outputs were stored")

@@ -40,6 +40,7 @@ from muster.net.relaywire import (
 log = logging.getLogger("muster.relay")
 
 HELLO_TIMEOUT_S = 10.0
+DRAIN_TIMEOUT_S = 5.0  # a link that takes nothing for this long is dropped (it redials)
 LINK_BUFFER = 8 * 1024 * 1024  # bytes queued on one link before its writer is waited on
 REDIAL_S = 1.0
 NONCE_MEMORY_S = 20 * 60  # a used ticket's nonce is remembered past its expiry
@@ -74,11 +75,21 @@ class _Link:
     writer: asyncio.StreamWriter
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
-    async def send(self, data: bytes) -> None:
+    async def send(self, data: bytes) -> bool:
+        """Queue ``data``; past LINK_BUFFER wait (bounded) for the link to take it. A link
+        that takes nothing for DRAIN_TIMEOUT_S is closed (its member or relay dials again;
+        what was lost the members resend): a dead host never holds up the others."""
+        if self.writer.is_closing():
+            return False
         async with self.lock:
             self.writer.write(data)
             if self.writer.transport.get_write_buffer_size() > LINK_BUFFER:
-                await self.writer.drain()
+                try:
+                    await asyncio.wait_for(self.writer.drain(), DRAIN_TIMEOUT_S)
+                except (TimeoutError, ConnectionError, OSError):
+                    self.writer.transport.abort()
+                    return False
+        return True
 
 
 class Relay:
@@ -205,15 +216,15 @@ class Relay:
         await link.send(json_frame(Kind.USAGE, {"relay": self.name, "usage": usage}))
 
     async def _forward(self, gang: str, src: int, dst: int, payload: memoryview) -> None:
-        here = self.members.get((gang, dst))
-        if here is not None:
-            await here.send(data_frame(gang, src, dst, bytes(payload)))
-            return
-        relay = self.relays.get(self.routes.get((gang, dst), ""))
-        if relay is not None:
-            await relay.send(data_frame(gang, src, dst, bytes(payload)))
-            return
-        self.dropped += 1
+        target = self.members.get((gang, dst)) or self.relays.get(self.routes.get((gang, dst), ""))
+        try:
+            sent = target is not None and await target.send(
+                data_frame(gang, src, dst, bytes(payload))
+            )
+        except (ConnectionError, OSError):  # the destination's trouble, not the sender's
+            sent = False
+        if not sent:
+            self.dropped += 1
 
     # ---- the mesh --------------------------------------------------------------------------
 
@@ -283,9 +294,13 @@ class Relay:
                 elif kind is Kind.DATA:
                     gang, src, dst, payload = parse_data(body)
                     target = self.members.get((gang, dst))  # one hop: never forwarded again
-                    if target is not None:
-                        await target.send(data_frame(gang, src, dst, bytes(payload)))
-                    else:
+                    try:
+                        sent = target is not None and await target.send(
+                            data_frame(gang, src, dst, bytes(payload))
+                        )
+                    except (ConnectionError, OSError):
+                        sent = False
+                    if not sent:
                         self.dropped += 1
         finally:
             if self.relays.get(name) is link:

@@ -31,6 +31,8 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
+import os
+import socket
 import struct
 import time
 from collections import deque
@@ -55,6 +57,8 @@ ACK_DELAY_S = 0.02
 RESEND_AFTER_S = 1.0
 OPEN_TIMEOUT_S = 60.0
 REDIAL_S = 0.5
+DRAIN_TIMEOUT_S = 2.0  # a link that takes no bytes for this long is given up (and redialled)
+WELCOME_TIMEOUT_S = 10.0
 DATAGRAM_BACKLOG = 4 * 1024 * 1024  # bytes queued on a link before datagrams are dropped
 
 _PACKET = struct.Struct("!BQ")
@@ -82,6 +86,38 @@ def pair_keys(
     ).derive(shared)
     low_to_high, high_to_low = okm[:32], okm[32:]
     return (low_to_high, high_to_low) if me == low else (high_to_low, low_to_high)
+
+
+def socket_uid(local: tuple[str, int], remote: tuple[str, int]) -> int | None:
+    """The uid owning the TCP socket at ``local`` connected to ``remote`` on this host (from
+    /proc/net/tcp): the process on the other end of one of our loopback connections."""
+    want = (_proc_address(local), _proc_address(remote))
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f)
+                for line in f:
+                    fields = line.split()
+                    if (fields[1], fields[2]) == want or (
+                        table.endswith("6") and (fields[1], fields[2]) == _v6(want)
+                    ):
+                        return int(fields[7])
+        except (OSError, StopIteration, IndexError, ValueError):
+            continue
+    return None
+
+
+def _proc_address(where: tuple[str, int]) -> str:
+    """('127.0.0.1', 5) -> '0100007F:0005', as /proc/net/tcp writes IPv4 ends."""
+    packed = socket.inet_aton(where[0])
+    return f"{int.from_bytes(packed, 'little'):08X}:{where[1]:04X}"
+
+
+def _v6(pair: tuple[str, str]) -> tuple[str, str]:
+    """The same two IPv4 ends as /proc/net/tcp6 writes them (v4-mapped)."""
+    return tuple(  # type: ignore[return-value]
+        "0000000000000000FFFF0000" + end[:8] + end[8:] for end in pair
+    )
 
 
 def _nonce(kind: int, number: int) -> bytes:
@@ -220,6 +256,8 @@ class _Session:
         if op in (OPENED, REFUSED) and stream.opened is not None and not stream.opened.done():
             stream.opened.set_result(op == OPENED)
         elif op == DATA:
+            if stream.fin:  # its socket is gone: nothing more is delivered to it
+                return
             stream.queue.append(payload)
             stream.queued += len(payload)
             stream.wake.set()
@@ -260,6 +298,7 @@ class _Session:
         try:
             ok = await asyncio.wait_for(stream.opened, OPEN_TIMEOUT_S)
         except TimeoutError:
+            await self.send(RESET, stream.id)  # a late OPENED must not leave it open there
             ok = False
         if not ok:
             self.streams.pop(stream.id, None)
@@ -289,6 +328,17 @@ class _Session:
         writer.close()
 
     async def _drain_to_socket(self, stream: _Stream, writer: asyncio.StreamWriter) -> None:
+        try:
+            await self._drain_loop(stream, writer)
+        except (ConnectionError, OSError):
+            pass
+        finally:  # (the session is never held back by a stream that is gone)
+            stream.fin = True
+            stream.queue.clear()
+            stream.queued = 0
+            stream.room.set()
+
+    async def _drain_loop(self, stream: _Stream, writer: asyncio.StreamWriter) -> None:
         while True:
             while stream.queue:
                 data = stream.queue.popleft()
@@ -346,6 +396,7 @@ class Endpoint:
         self.active: int | None = None
         self.up = asyncio.Event()
         self.forged = 0  # packets that failed authentication
+        self.refused = 0  # SOCKS5 connections from another user's process
         self.server: asyncio.Server | None = None
         self._tasks: set[asyncio.Future[None]] = set()
         self._send_lock = asyncio.Lock()
@@ -387,12 +438,14 @@ class Endpoint:
         host, port = self.relays[index]
         while True:
             try:
-                reader, writer = await asyncio.open_connection(host, port)
+                reader, writer = await asyncio.wait_for(
+                    asyncio.open_connection(host, port), WELCOME_TIMEOUT_S
+                )
                 ticket = await self.ticket(index)
                 writer.write(
                     json_frame(Kind.HELLO, {"gang": self.gang, "member": self.me, "ticket": ticket})
                 )
-                kind, body = await read_frame(reader)
+                kind, body = await asyncio.wait_for(read_frame(reader), WELCOME_TIMEOUT_S)
                 if kind is not Kind.WELCOME:
                     raise LinkClosed(f"relay {host}:{port} refused: {body[:200]!r}")
                 self.links[index] = writer
@@ -400,8 +453,8 @@ class Endpoint:
                     await self._switch(index)  # the first relay of the list while it is up
                 self.up.set()
                 await self._read(reader)
-            except (OSError, LinkClosed) as exc:
-                log.info("member %d: relay %s:%d: %s", self.me, host, port, exc)
+            except (OSError, LinkClosed, TimeoutError) as exc:
+                log.info("member %d: relay %s:%d: %r", self.me, host, port, exc)
             except Exception:
                 log.exception("member %d: the link to relay %s:%d failed", self.me, host, port)
             if self.links.pop(index, None) is not None and self.active == index:
@@ -442,8 +495,14 @@ class Endpoint:
                 if writer is not None and not writer.is_closing():
                     writer.write(packet)
                     # (a link that broke: its reader sees it end and switches; acks decide)
-                    with contextlib.suppress(ConnectionError, OSError):
-                        await writer.drain()
+                    try:
+                        await asyncio.wait_for(writer.drain(), DRAIN_TIMEOUT_S)
+                    except TimeoutError:  # a relay that went silent: give the link up
+                        log.warning("member %d: a relay link took nothing for %.0fs; dropped",
+                                    self.me, DRAIN_TIMEOUT_S)  # fmt: skip
+                        writer.transport.abort()
+                    except (ConnectionError, OSError):
+                        pass
                     return
                 self.up.clear()
                 try:
@@ -467,14 +526,32 @@ class Endpoint:
         while True:
             await asyncio.sleep(RESEND_AFTER_S / 4)
             now = time.monotonic()
-            for session in self.sessions.values():
-                if session.unacked and now - session.progress > RESEND_AFTER_S:
-                    self.spawn(session.resend())
+            stalled = [
+                s for s in self.sessions.values() if s.unacked and now - s.progress > RESEND_AFTER_S
+            ]
+            others = sorted(i for i in self.links if i != self.active)
+            if stalled and others:
+                # No ack through this relay for a while: it may have gone silent without a
+                # word (a host down, a partition). Go on through the next one (which resends
+                # what is outstanding); the silent link is dropped by its own timeouts.
+                log.info("member %d: acks stalled on relay %s; switching", self.me, self.active)
+                await self._switch(others[0])
+                continue
+            for session in stalled:
+                self.spawn(session.resend())
 
     # ---- SOCKS5 ---------------------------------------------------------------------------
 
     async def _socks(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """The shim's CONNECT: no authentication; a peer's address only."""
+        """The shim's CONNECT, from a process of this agent's own user only (the ranks run
+        as it: what its ranks may reach it already may; another user of the host may not
+        use the endpoint to reach the peers), to a peer's address only."""
+        client = writer.get_extra_info("peername")
+        server = writer.get_extra_info("sockname")
+        if await asyncio.to_thread(socket_uid, client, server) != os.getuid():
+            self.refused += 1
+            writer.close()
+            return
         try:
             head = await asyncio.wait_for(reader.readexactly(2), 10)
             await reader.readexactly(head[1])

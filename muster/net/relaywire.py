@@ -142,6 +142,15 @@ def read_ticket(secret: bytes, text: str) -> Ticket:
     return ticket
 
 
+def ticket_expires(text: str) -> float:
+    """When a ticket expires (its payload is not secret; only the MAC is): 0 when unreadable."""
+    try:
+        payload = base64.urlsafe_b64decode(str(text).partition(".")[0].encode())
+        return float(json.loads(payload)["expires"])
+    except (ValueError, KeyError, TypeError):
+        return 0.0
+
+
 def relay_proof(secret: bytes, name: str, nonce: str) -> str:
     """What a relay shows another of its mesh: it holds the same secret."""
     return hmac.new(

@@ -24,10 +24,12 @@ def _bind(port: int) -> socket.socket:
 def test_a_held_port_takes_connections_and_torchrun_binds_it_once_let_go() -> None:
     async def scenario() -> None:
         holds = Holds()
-        port = holds.hold("job1", 1, "127.0.0.1", None)
-        assert holds.hold("job1", 1, "127.0.0.1", None) == port, "the same epoch, the same port"
-        for _ in range(3):  # every member dials (and closes first)
-            assert await dial("127.0.0.1", port) is None
+        port = await holds.hold("job1", 1, "127.0.0.1", None)
+        assert await holds.hold("job1", 1, "127.0.0.1", None) == port, (
+            "the same epoch, the same port"
+        )
+        for _ in range(200):  # every member of a large gang dials: more than a backlog
+            assert await dial("127.0.0.1", port, within=5) is None
         with pytest.raises(OSError, match="Address already in use"):
             _bind(port)  # nobody else takes it meanwhile
         holds.release("job1", 2)  # another epoch's release leaves it
@@ -42,12 +44,12 @@ def test_a_held_port_takes_connections_and_torchrun_binds_it_once_let_go() -> No
 def test_a_newer_epoch_lets_the_old_port_go_and_a_taken_fixed_port_is_refused() -> None:
     async def scenario() -> None:
         holds = Holds()
-        old = holds.hold("job1", 1, "127.0.0.1", None)
-        new = holds.hold("job1", 2, "127.0.0.1", None)
+        old = await holds.hold("job1", 1, "127.0.0.1", None)
+        new = await holds.hold("job1", 2, "127.0.0.1", None)
         _bind(old).close()
         taken = _bind(0)
         with pytest.raises(OSError, match="Address already in use"):
-            holds.hold("job2", 1, "127.0.0.1", taken.getsockname()[1])
+            await holds.hold("job2", 1, "127.0.0.1", taken.getsockname()[1])
         taken.close()
         holds.release_all()
         _bind(new).close()

@@ -336,3 +336,154 @@ def test_the_rate_cap_holds_and_the_metering_matches_what_was_sent() -> None:
         await r.close()
 
     run(scenario)
+
+
+def test_another_users_process_cannot_use_the_endpoint() -> None:
+    """The endpoint serves the agent's own user's processes only: a process of another user
+    on the host (here `nobody`) is closed on at once, and counted."""
+    import shutil
+    import subprocess
+    import sys
+
+    if os.getuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to run a client as another user")
+
+    async def scenario() -> None:
+        r = await relay("r1")
+        a, b = await gang([r])
+        host, port = a.socks.rsplit(":", 1)
+        client = (
+            "import socket, sys; s = socket.create_connection((sys.argv[1], int(sys.argv[2])));"
+            "s.sendall(b'\\x05\\x01\\x00'); print(repr(s.recv(2)))"
+        )
+        done = await asyncio.to_thread(
+            subprocess.run,
+            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+             sys.executable, "-c", client, host, port],
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        assert done.stdout.strip() == "b''", (done.stdout, done.stderr)
+        assert a.refused == 1
+        server, echo_port = await echo_server("127.0.0.2")
+        _reader, writer = await socks_connect(a.socks, "127.0.0.2", echo_port)  # own user
+        writer.close()
+        server.close()
+        for x in (a, b):
+            await x.close()
+        await r.close()
+
+    run(scenario)
+
+
+class Freezer:
+    """A TCP forwarder that can go silent without closing anything (a host gone dark)."""
+
+    def __init__(self, target: int) -> None:
+        self.target = target
+        self.frozen = asyncio.Event()
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._one, "127.0.0.1", 0)
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def _one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target)
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            while data := await src.read(65536):
+                if self.frozen.is_set():
+                    await asyncio.sleep(3600)  # holds everything, closes nothing
+                dst.write(data)
+                await dst.drain()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+
+def test_a_relay_that_goes_silent_without_closing_is_left_for_the_next() -> None:
+    """Member 0 reaches relay 1 through a link that goes dark mid-stream (no FIN, no RST):
+    its acks stall, and it goes on through relay 2 within seconds; the stream completes."""
+
+    async def scenario() -> None:
+        r2 = await relay("r2")
+        r1 = await relay("r1", [("127.0.0.1", r2.port)])
+        await wait_for(lambda: "r1" in r2.relays)
+        dark = Freezer(r1.port)
+        via = await dark.start()
+        keys = [new_key() for _ in range(2)]
+        addresses = ["127.0.0.1", "127.0.0.2"]
+        endpoints = []
+        for me, first in ((0, via), (1, r1.port)):
+
+            async def ticket(_i: int, me: int = me) -> str:
+                return issue_ticket(SECRET, GANG, me)
+
+            peer = 1 - me
+            e = Endpoint(
+                GANG, me, addresses, keys[me][0], {peer: keys[peer][1]},
+                [("127.0.0.1", first), ("127.0.0.1", r2.port)], ticket,
+            )  # fmt: skip
+            await e.start()
+            endpoints.append(e)
+        a = endpoints[0]
+        await wait_for(lambda: a.active == 0 and len(a.links) == 2)
+        server, port = await echo_server("127.0.0.2")
+        reader, writer = await socks_connect(a.socks, "127.0.0.2", port)
+        got = 0
+        total = 24 << 20
+        loop = asyncio.get_running_loop()
+
+        async def read_all() -> None:
+            nonlocal got
+            while got < total:
+                data = await reader.read(1 << 20)
+                assert data, "the stream broke"
+                got += len(data)
+
+        reading = asyncio.ensure_future(read_all())
+        chunk = os.urandom(1 << 20)
+        for i in range(total >> 20):
+            writer.write(chunk)
+            await writer.drain()
+            if i == 4:
+                dark.frozen.set()
+                went_dark = loop.time()
+        await asyncio.wait_for(reading, 60)
+        assert got == total
+        assert a.active == 1, "it went on through relay 2"
+        assert loop.time() - went_dark < 30
+        server.close()
+        for e in endpoints:
+            await e.close()
+        await r1.close()
+        await r2.close()
+
+    run(scenario)
+
+
+def test_a_members_tickets_are_refreshed_before_they_run_out_or_expire() -> None:
+    from muster.agent.relayed import TicketStock
+    from muster.wire import Kind as WireKind
+
+    asked: list[tuple[WireKind, dict[str, Any]]] = []
+
+    async def send(kind: WireKind, body: dict[str, Any]) -> None:
+        asked.append((kind, body))
+
+    async def scenario() -> None:
+        ids = {"job": "job1", "epoch": 1, "node_rank": 0}
+        fresh = [issue_ticket(SECRET, GANG, 0) for _ in range(4)]
+        stale = issue_ticket(SECRET, GANG, 0, ttl=30)  # expires within the margin
+        stock = TicketStock([{"host": "h", "port": 1, "tickets": [stale, *fresh]}], ids, send)
+        assert await stock.take(0) == fresh[0], "a ticket about to expire is skipped"
+        await stock.take(0)
+        assert asked == []
+        await stock.take(0)  # two left before this one: time to ask
+        assert asked == [(WireKind.RELAY_TICKETS, ids)]
+        await stock.take(0)
+        with pytest.raises(ConnectionError, match="asked the controller"):
+            await stock.take(0)
+        stock.add([{"host": "h", "port": 1, "tickets": [issue_ticket(SECRET, GANG, 0)]}])
+        assert await stock.take(0)
+
+    run(scenario)

@@ -28,12 +28,12 @@ print("env " + " ".join(f"{k}={os.environ.get(k, '-')}" for k in keys), flush=Tr
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 t = torch.ones(1 << 18)
-for step in range(60):
+for step in range(40):
     dist.all_reduce(t)
     t.fill_(1.0)
     if rank == 0 and step % 10 == 0:
         print(f"step {step}", flush=True)
-    time.sleep(0.15)
+    time.sleep(0.1)
 done = torch.ones(1) * (rank + 1)
 dist.all_reduce(done)
 print(f"trained sum={int(done.item())} expected={world * (world + 1) // 2}", flush=True)
@@ -137,7 +137,7 @@ def test_a_gloo_job_trains_relayed_between_hosts_that_cannot_reach_each_other(
         assert env["MASTER_ADDR"] in {h.address for h in hosts}
     trained = [ln["text"] for ln in lines if ln["text"].startswith("trained")]
     assert trained == ["trained sum=21 expected=21"] * 6, lines
-    assert [ln["text"] for ln in lines if ln["text"].startswith("step")][-1] == "step 50"
+    assert [ln["text"] for ln in lines if ln["text"].startswith("step")][-1] == "step 30"
     # Every member lost its link to the killed relay mid-run, and went on through the other.
     for host in hosts:
         said = rig.log(host, "agent").read_text()
@@ -145,7 +145,7 @@ def test_a_gloo_job_trains_relayed_between_hosts_that_cannot_reach_each_other(
         assert "relayed endpoint up" in said
 
     # Still nothing between the hosts; what went through the relays was metered (the
-    # controller reads the relays every 10 s).
+    # controller reads the relays every 5 s).
     assert not rig.reaches(h1, h2.address)
     deadline = time.monotonic() + 30
     usage = rig.api("usage", job_id)

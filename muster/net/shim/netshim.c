@@ -18,6 +18,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -180,6 +181,29 @@ static int socks_connect(int fd, const struct in6_addr *ip, uint16_t port) {
     }
 }
 
+/* A blocking connect interrupted by a signal goes on in the kernel: wait for it (bounded by
+ * the send timeout set above) and read its outcome. Returns 0, or -1 with errno. */
+static int finish_connect(int fd) {
+    struct pollfd pfd = {fd, POLLOUT, 0};
+    int rc;
+    do {
+        rc = poll(&pfd, 1, HANDSHAKE_TIMEOUT_S * 1000);
+    } while (rc < 0 && errno == EINTR);
+    if (rc == 0) {
+        errno = ETIMEDOUT;
+        return -1;
+    }
+    if (rc < 0) return -1;
+    int soerr = 0;
+    socklen_t slen = sizeof(soerr);
+    if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &slen) != 0) return -1;
+    if (soerr != 0) {
+        errno = soerr;
+        return -1;
+    }
+    return 0;
+}
+
 int connect(int fd, const struct sockaddr *addr, socklen_t len) {
     pthread_once(&once, init);
     if (real_connect == NULL) {
@@ -227,6 +251,7 @@ int connect(int fd, const struct sockaddr *addr, socklen_t len) {
         }
         rc = real_connect(fd, (const struct sockaddr *)&s6, sizeof(s6));
     }
+    if (rc != 0 && errno == EINTR) rc = finish_connect(fd);
     int err = rc == 0 ? socks_connect(fd, &ip, port) : errno;
 
     setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &old_rcv, sizeof(old_rcv));
