@@ -535,6 +535,8 @@ class Endpoint:
                 # word (a host down, a partition). Go on through the next one (which resends
                 # what is outstanding); the silent link is dropped by its own timeouts.
                 log.info("member %d: acks stalled on relay %s; switching", self.me, self.active)
+                for session in stalled:
+                    session.progress = now  # (one switch per stall, not one per look)
                 await self._switch(others[0])
                 continue
             for session in stalled:
@@ -548,8 +550,15 @@ class Endpoint:
         use the endpoint to reach the peers), to a peer's address only."""
         client = writer.get_extra_info("peername")
         server = writer.get_extra_info("sockname")
-        if await asyncio.to_thread(socket_uid, client, server) != os.getuid():
+        uid = await asyncio.to_thread(socket_uid, client, server)
+        if uid != os.getuid():
             self.refused += 1
+            if self.refused in (1, 10, 100, 1000):
+                log.warning(
+                    "member %d: refused a SOCKS5 connection from uid %s (only uid %d's "
+                    "processes may use the relayed endpoint); %d so far",
+                    self.me, uid, os.getuid(), self.refused,
+                )  # fmt: skip
             writer.close()
             return
         try:
