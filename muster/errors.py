@@ -118,6 +118,16 @@ class CohortDiverged(PlatformError):
     """Ranks reached an averaging round at different windows: their collectives no longer pair."""
 
 
+class CohortStopped(PlatformError):
+    """The training cohort stopped with a save (a reduce stalled, a rank asked): each rank
+    wrote its checkpoint and the reason; resume from it."""
+
+
+class CohortLost(PlatformError):
+    """This rank is out of the training cohort: its peers or its link to them are gone (the
+    star could not form, the root died, the cohort declared this rank dead)."""
+
+
 class InfrastructureError(MusterError):
     """Something below muster failed: the database, a host, the network."""
 

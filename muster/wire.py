@@ -167,6 +167,12 @@ def _hmac(key: bytes, *parts: bytes) -> bytes:
     return hmac.new(key, b"".join(parts), hashlib.sha256).digest()
 
 
+def mac(key: bytes, *parts: bytes) -> bytes:
+    """HMAC-SHA256 of the concatenated parts: the MAC every muster link uses (the control
+    link here, muster.train's star reduce for its handshake and per-frame keys)."""
+    return _hmac(key, *parts)
+
+
 def auth_proof(token: str, cnonce: str, anonce: str, worker_id: str) -> str:
     return _hmac(
         token.encode(), b"muster-auth\0", cnonce.encode(), anonce.encode(), worker_id.encode()

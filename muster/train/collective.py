@@ -276,6 +276,75 @@ class _Count:
     missing: tuple[int, ...]  # trainable parameters without a gradient, per rank (sync step)
 
 
+def count_head(
+    params: Sequence[torch.Tensor],
+    buffers: Sequence[torch.Tensor],
+    batches: int,
+    window: int | None,
+    in_step: bool,
+    side: torch.Tensor | None,
+    rank: int,
+    world: int,
+    missing: int = 0,
+) -> list[float]:
+    """This rank's COUNT vector: its own slots filled, the others 0, then ``side``; summed
+    over the cohort (by a collective, or through the star) every rank's values are in it."""
+    extra = side.tolist() if side is not None else []
+    head = [0.0] * (HEAD_SLOTS * world)
+    head[rank] = float(max(0, batches))
+    head[world + rank] = float(window + 1) if window is not None else 0.0
+    head[2 * world + rank] = float(layout_of(params, buffers))
+    head[3 * world + rank] = 1.0 if in_step else 0.0
+    head[4 * world + rank] = float(missing)
+    return head + extra
+
+
+def read_count(
+    gathered: Sequence[float],
+    rank: int,
+    world: int,
+    side: torch.Tensor | None,
+    among: set[int] | None = None,
+) -> _Count:
+    """The summed COUNT vector read back, the same on every rank; raises CohortDiverged when
+    the cohort is out of step. ``among``: the ranks whose contributions were summed (the star
+    leaves dead ranks out; a collective sums everyone)."""
+    if side is not None:
+        side.copy_(torch.tensor(list(gathered[HEAD_SLOTS * world :]), dtype=torch.float64))
+    live = sorted(among) if among is not None else list(range(world))
+    windows = [int(w) - 1 for w in gathered[world : 2 * world]]  # (-1: no window given)
+    mine = windows[rank]
+    if len({windows[r] for r in live}) > 1:
+        lagging = ", ".join(f"rank {r} at {windows[r]}" for r in live if windows[r] != mine)
+        raise CohortDiverged(
+            f"rank {rank} is at the averaging round of window {mine}, but {lagging}: "
+            "every rank must run the same loop (no early break on one rank); nothing of "
+            "this round was averaged"
+        )
+    layouts = [int(x) for x in gathered[2 * world : 3 * world]]
+    if len({layouts[r] for r in live}) > 1:
+        odd = [r for r in live if layouts[r] != layouts[live[0]]]
+        raise CohortDiverged(
+            f"the models differ in layout (rank {live[0]} and rank {odd[0]}: the "
+            "floating-point parameters' and buffers' dtypes, sizes, devices or requires_grad): "
+            "every rank must hold the same model in the same dtypes; nothing of this round "
+            "was averaged"
+        )
+    flags = tuple(bool(f) for f in gathered[3 * world : 4 * world])
+    if len({flags[r] for r in live}) > 1:
+        stepping = [r for r in live if flags[r]]
+        raise CohortDiverged(
+            f"ranks {stepping} called ElChe.step for this batch and the others stepped by "
+            "hand: in sync mode every rank calls elche.step(loss) for every batch, or none "
+            "does; nothing of this round was averaged"
+        )
+    return _Count(
+        tuple(int(c) for c in gathered[:world]),
+        flags,
+        tuple(int(m) for m in gathered[4 * world : 5 * world]),
+    )
+
+
 def _count(
     params: Sequence[torch.Tensor],
     buffers: Sequence[torch.Tensor],
@@ -297,53 +366,15 @@ def _count(
     if backend == "nccl":  # NCCL reduces CUDA tensors: the model's GPU, else the current one
         first = params[0].device if params else None
         device = first if first is not None and first.type == "cuda" else torch.device("cuda")
-    extra = side.tolist() if side is not None else []
-    head = [0.0] * (HEAD_SLOTS * world)
-    head[rank] = float(max(0, batches))
-    head[world + rank] = float(window + 1) if window is not None else 0.0
-    head[2 * world + rank] = float(layout_of(params, buffers))
-    head[3 * world + rank] = 1.0 if in_step else 0.0
-    head[4 * world + rank] = float(missing)
-    count = torch.tensor(head + extra, dtype=torch.float64, device=device)
+    head = count_head(params, buffers, batches, window, in_step, side, rank, world, missing)
+    count = torch.tensor(head, dtype=torch.float64, device=device)
     where = "step" if in_step else "round"
     if trace is not None:
         trace(f"enter COUNT (window {window}, {where})")
     dist.all_reduce(count, op=dist.ReduceOp.SUM, group=group)
     if trace is not None:
         trace(f"exit COUNT (window {window}, {where})")
-    gathered = count.tolist()
-    if side is not None:
-        side.copy_(torch.tensor(gathered[HEAD_SLOTS * world :], dtype=torch.float64))
-    windows = [int(w) - 1 for w in gathered[world : 2 * world]]  # (-1: no window given)
-    mine = windows[rank]
-    if len(set(windows)) > 1:
-        lagging = ", ".join(f"rank {r} at {w}" for r, w in enumerate(windows) if w != mine)
-        raise CohortDiverged(
-            f"rank {rank} is at the averaging round of window {mine}, but {lagging}: "
-            "every rank must run the same loop (no early break on one rank); nothing of "
-            "this round was averaged"
-        )
-    layouts = [int(x) for x in gathered[2 * world : 3 * world]]
-    if len(set(layouts)) > 1:
-        odd = [r for r, x in enumerate(layouts) if x != layouts[0]]
-        raise CohortDiverged(
-            f"the models differ in layout (rank 0 and rank {odd[0]}: the floating-point "
-            "parameters' and buffers' dtypes, sizes, devices or requires_grad): every rank "
-            "must hold the same model in the same dtypes; nothing of this round was averaged"
-        )
-    flags = tuple(bool(f) for f in gathered[3 * world : 4 * world])
-    if len(set(flags)) > 1:
-        stepping = [r for r, f in enumerate(flags) if f]
-        raise CohortDiverged(
-            f"ranks {stepping} called ElChe.step for this batch and the others stepped by "
-            "hand: in sync mode every rank calls elche.step(loss) for every batch, or none "
-            "does; nothing of this round was averaged"
-        )
-    return _Count(
-        tuple(int(c) for c in gathered[:world]),
-        flags,
-        tuple(int(m) for m in gathered[4 * world : 5 * world]),
-    )
+    return read_count(count.tolist(), rank, world, side)
 
 
 def sync_step(

@@ -23,8 +23,29 @@ Modes:
   batch instead;
 - ``cadence``: the ElChe schedule: the slowest rank runs ``anchor_batches`` per window, faster
   ranks range ahead in proportion to their delivered per-batch cost;
-- ``async`` (cadence without the window barrier) needs the CPU star backend, which is not
-  built yet; it is refused with that reason.
+- ``async`` (star backend only): cadence without the window barrier. At a window's end the
+  rank hands its snapshot to the star and trains on; the consensus, when it lands, is applied
+  as a delta (the rank keeps what it learned since the snapshot). ``lookahead`` (default 1)
+  bounds how many rounds may be in flight: a rank waits for round ``w - lookahead`` before it
+  sends round ``w``. Every rank plans window ``w`` from the timings of rounds up to
+  ``w - 1 - lookahead`` only, which every rank has applied by then, so all deal the same
+  samples. An epoch's end waits for every round, so the epoch ends on one model.
+
+Backends (``backend=``):
+- ``"collective"`` (default): all_reduce on the process group (gloo, NCCL): every round is a
+  barrier; a peer lost mid-collective stops the cohort with a save;
+- ``"star"``: the CPU star (``muster.train.star``): each rank's contribution goes through its
+  host's fold to rank 0's root over TCP, so ranks need no common collective library, a dead
+  rank leaves the sum and the divisor (the rest go on), and every wait has a ceiling
+  (``heartbeat_s``, ``timeout_s``, ``stall_s``). ``bf16_wire=True`` halves the bytes.
+
+Stopping with a save (``save=PREFIX``; under muster it defaults to ``$MUSTER_OUTPUT_DIR/
+elche``): when the cohort must stop (the star's stall ceiling, a peer lost in a collective,
+``elche.save()`` by hand) every rank writes ``PREFIX.rank<N>.pt`` and ``.meta.json`` with the
+reason, and ``CohortStopped`` is raised; a rank that dies writes ``PREFIX.rank<N>.death.json``.
+``ElChe(..., resume=PREFIX)`` continues where the save left off (``elche.start_epoch`` is
+the epoch to loop from): a round-boundary save resumes to the same model as a run that never
+stopped.
 
 No controller is needed: at each round every rank adds its window timings to the round's
 first collective, so every rank computes the same next counts, and the same dealing of the
@@ -49,19 +70,25 @@ among the best. tests/train/test_replay.py pins it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import os
+import sys
 import time
+import weakref
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal, Protocol, TypeVar, overload
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from muster.errors import UserError
-from muster.train import flight
+from muster.errors import CohortLost, CohortStopped, UserError
+from muster.train import checkpoint, flight
 from muster.train.collective import (
     RoundResult,
     Trace,
@@ -71,10 +98,13 @@ from muster.train.collective import (
 )
 from muster.train.mass import MAX_GAMMA
 from muster.train.sampler import WindowSampler
-from muster.train.schedule import ElCheSchedule, WindowReport, WindowSummary
+from muster.train.schedule import ElCheSchedule, WindowReport, WindowSummary, cap_counts
+from muster.train.star import AsyncRound, StarBackend
+from muster.train.starhub import Ceilings
 
 Mode = Literal["sync", "cadence", "async"]
 MODES = ("sync", "cadence", "async")
+BACKENDS = ("collective", "star")
 T = TypeVar("T")
 
 # Per-rank slots in the timing exchange that rides the COUNT collective (the batches and
@@ -178,16 +208,31 @@ class ElChe:
         shuffle: bool = True,
         backend: str = "collective",
         group: Any = None,
+        lookahead: int = 1,
+        bf16_wire: bool = False,
+        heartbeat_s: float = 5.0,
+        timeout_s: float = 30.0,
+        stall_s: float | None = None,
+        save: str | Path | None = None,
+        resume: str | Path | None = None,
+        hosts: list[int] | None = None,
     ) -> None:
         if mode not in MODES:
             raise UserError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
-        if mode == "async":
+        if backend not in BACKENDS:
+            raise UserError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
+        if mode == "async" and backend != "star":
             raise UserError(
-                "mode='async' needs the CPU star backend, which muster does not ship yet: "
-                "a collective round is itself a barrier. Use mode='cadence'"
+                "mode='async' needs backend='star': a collective round is itself a barrier "
+                "(every rank waits in it), so there is nothing to run ahead of. Use "
+                "backend='star', or mode='cadence'"
             )
-        if backend != "collective":
-            raise UserError(f"backend must be 'collective' (the only one built); got {backend!r}")
+        if not 1 <= lookahead <= 8:
+            raise UserError(f"lookahead must be between 1 and 8 rounds; got {lookahead!r}")
+        if not 0 < heartbeat_s < timeout_s:
+            raise UserError(
+                f"heartbeat_s ({heartbeat_s}) must be above 0 and below timeout_s ({timeout_s})"
+            )
         if not math.isfinite(gamma) or not 0.0 <= gamma <= MAX_GAMMA:
             raise UserError(
                 f"gamma must be between 0 (every rank that worked weighs the same) and "
@@ -210,8 +255,20 @@ class ElChe:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
-        self.backend: AverageBackend = CollectiveBackend(group, debug_trace(self.rank))
+        self.lookahead = lookahead
+        self.backend_name = backend
         self.device = next(model.parameters()).device
+        if save is None and os.environ.get("MUSTER_OUTPUT_DIR"):
+            save = Path(os.environ["MUSTER_OUTPUT_DIR"]) / "elche"
+        self.save_prefix = Path(save) if save is not None else None
+        self.star: StarBackend | None = None
+        if backend == "star":
+            ceilings = Ceilings(heartbeat_s, timeout_s, stall_s)
+            self.star = StarBackend(model, group, ceilings=ceilings, bf16_wire=bf16_wire,
+                                    hosts=hosts)  # fmt: skip
+            self.backend: AverageBackend = self.star
+        else:
+            self.backend = CollectiveBackend(group, debug_trace(self.rank))
         self.sampler = WindowSampler(
             dataset_size, batch_size, rank=self.rank, world=self.world, seed=seed, shuffle=shuffle
         )
@@ -222,10 +279,25 @@ class ElChe:
         self.round_ms = 0.0  # time spent in rounds: waiting for the cohort plus the collectives
         self.last_round: RoundResult | None = None
         self._round_done = False  # sync: this window's round ran inside ``step``
-        self._broadcast_initial_state()
+        self.alive = set(range(self.world))  # ranks the cohort still counts (the star's dead leave)
+        self.window_batches = 0  # batches run in the current window, not yet averaged
+        self.start_epoch = 0  # the epoch to loop from (after a resume, the saved one)
+        self._resume_cursor: int | None = None
+        self._inflight: deque[AsyncRound] = deque()  # async: rounds sent, not yet applied
+        self._due: list[tuple[int, list[WindowSummary], set[int]]] = []  # async, to record
+        self._stopping: str | None = None
+        if resume is not None:
+            self._resume(Path(resume))
+        else:
+            self._broadcast_initial_state()
+        if self.save_prefix is not None:
+            _watch_for_death(self)
 
     def _broadcast_initial_state(self) -> None:
         """Start every rank from rank 0's model, as DDP does."""
+        if self.star is not None:
+            self.star.start(self.model)
+            return
         source = dist.get_global_rank(self.group, 0) if self.group is not None else 0
         with torch.no_grad():
             for tensor in [*self.model.parameters(), *self.model.buffers()]:
@@ -233,8 +305,16 @@ class ElChe:
 
     def _plan(self, left: int) -> list[int]:
         if self.mode == "sync":
-            return [1] * self.world
-        return self.schedule.batch_counts(epoch_remaining=left)
+            return [1 if r in self.alive else 0 for r in range(self.world)]
+        if self.mode == "async":  # (only rounds every rank has applied by now: see above)
+            settled = self.window - 1 - self.lookahead
+            while self._due and self._due[0][0] <= settled:
+                _, reports, alive = self._due.pop(0)
+                self.schedule.record(reports)
+                self.alive = alive
+        counts = self.schedule.batch_counts()
+        counts = [c if r in self.alive else 0 for r, c in enumerate(counts)]
+        return cap_counts(counts, max(0, left))
 
     @overload
     def epoch(self, epoch: int, fetch: None = None) -> Iterator[torch.Tensor]: ...
@@ -249,23 +329,37 @@ class ElChe:
         Each yielded batch is timed until the loop asks for the next one; the time ``fetch``
         takes counts as delivered cost, not compute. Rounds run between windows.
         """
+        cursor, self._resume_cursor = self._resume_cursor, None
         self.sampler.start_epoch(epoch)
+        if cursor is not None:
+            self.sampler._cursor = cursor  # (resumed mid-epoch: the samples dealt stay dealt)
         finished = False
-        least = self.world if self.mode == "sync" else 1  # (sync: a batch for every rank)
+        failure: BaseException | None = None
         try:
-            while (left := self.sampler.remaining_batches) >= least:
+            while (left := self.sampler.remaining_batches) >= self._least():
                 self.counts = self._plan(left)
+                if sum(self.counts) == 0:
+                    break
                 mine = self.sampler.deal(self.counts)
                 watch = Stopwatch(self.device)
                 self._round_done = False
+                self.window_batches = 0
                 for indices in mine:
+                    self._poll()
                     item = fetch(indices) if fetch is not None else indices
                     watch.ready()
                     yield item
                     watch.done()
                     self.batches_run += 1
+                    self.window_batches += 1
                 self._round(watch.report().summary())
+            self._drain()
             finished = True
+        except GeneratorExit:
+            raise
+        except BaseException as exc:
+            failure = exc
+            raise
         finally:
             if not finished:
                 # Left mid-window (a break, an exception) without its round: this rank's next
@@ -273,10 +367,17 @@ class ElChe:
                 # past theirs makes every rank raise CohortDiverged there instead. (In sync
                 # mode the round may have run in ``step`` already: then one more.)
                 self.window += 2 if self._round_done else 1
+            if failure is not None:
+                self._died(failure)
+
+    def _least(self) -> int:
+        """Batches an epoch needs left for one more window (sync: one per live rank)."""
+        return len(self.alive) if self.mode == "sync" else 1
 
     def step(self, loss: torch.Tensor) -> None:
         """The usual step: zero the gradients, backpropagate ``loss``, step the optimizer (in
         sync mode, on the cohort's mean gradient: every rank must call it for every batch)."""
+        self._check_stop()
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()  # type: ignore[no-untyped-call]
         if self.mode != "sync":
@@ -289,14 +390,16 @@ class ElChe:
             )
         started = time.perf_counter()
         side = torch.zeros(self.world * _SLOTS, dtype=torch.float64)  # (COUNT's shape)
-        self.last_round = self.backend.step(self.model, self.optimizer.step, side, self.window)
+        self.last_round = self._guarded(
+            lambda: self.backend.step(self.model, self.optimizer.step, side, self.window)
+        )
         self.round_ms += (time.perf_counter() - started) * 1e3
         self._round_done = True
+        self.window_batches = 0  # (averaged: nothing of this window is pending any more)
+        if self.star is not None:
+            self.alive = set(self.star.alive)
 
-    def _round(self, mine: WindowSummary) -> None:
-        if self._round_done:  # (sync: it ran in ``step``)
-            self.window += 1
-            return
+    def _side(self, mine: WindowSummary) -> torch.Tensor:
         side = torch.zeros(self.world * _SLOTS, dtype=torch.float64)
         base = self.rank * _SLOTS
         side[base : base + _SLOTS] = torch.tensor(
@@ -308,21 +411,46 @@ class ElChe:
             ],
             dtype=torch.float64,
         )
-        started = time.perf_counter()
-        # (CohortDiverged, raised on every rank, when a rank is at another window)
-        result = self.backend.round(self.model, mine.batches, self.gamma, side, self.window)
-        self.last_round = result
-        self.round_ms += (time.perf_counter() - started) * 1e3
+        return side
+
+    def _reports(self, counts: tuple[int, ...], side: torch.Tensor) -> list[WindowSummary]:
         rows = side.view(self.world, _SLOTS).tolist()
-        reports = [
+        return [
             WindowSummary(
                 batches=n,
                 marginal_ms=row[0] if row[1] else None,
                 fill_excess_ms=row[2],
                 compute_rate_ms=row[3] if n > 0 else None,
             )
-            for n, row in zip(result.counts, rows, strict=True)
+            for n, row in zip(counts, rows, strict=True)
         ]
+
+    def _round(self, mine: WindowSummary) -> None:
+        if self._round_done:  # (sync: it ran in ``step``)
+            self.window += 1
+            return
+        side = self._side(mine)
+        if self.mode == "async":
+            assert self.star is not None
+            while len(self._inflight) >= self.lookahead:
+                self._apply(self._inflight.popleft())
+            self._inflight.append(
+                self.star.begin(self.model, mine.batches, self.gamma, side, self.window)
+            )
+            self.window_batches = 0
+            self.window += 1
+            return
+        started = time.perf_counter()
+        # (CohortDiverged, raised on every rank, when a rank is at another window)
+        result = self._guarded(
+            lambda: self.backend.round(self.model, mine.batches, self.gamma, side, self.window)
+        )
+        self.window_batches = 0
+        self.last_round = result
+        self.round_ms += (time.perf_counter() - started) * 1e3
+        if self.star is not None:
+            self.alive = set(self.star.alive)
+        reports = self._reports(result.counts, side)
         if result.divergence is not None:
             d = result.divergence
             log.info(
@@ -339,3 +467,185 @@ class ElChe:
         if self.mode == "cadence":
             self.schedule.record(reports)
         self.window += 1
+
+    # -- async rounds (the star) ---------------------------------------------------------------
+
+    def _poll(self) -> None:
+        """Between batches: apply the rounds that have landed, in order (never waits)."""
+        self._check_stop()
+        while self._inflight and self._inflight[0].ready():
+            self._apply(self._inflight.popleft())
+
+    def _drain(self) -> None:
+        """An epoch's end: every round in flight applied (the epoch ends on one model)."""
+        while self._inflight:
+            self._apply(self._inflight.popleft())
+
+    def _apply(self, pending: AsyncRound) -> None:
+        started = time.perf_counter()
+        result = self._guarded(lambda: pending.apply(self.model))
+        self.round_ms += (time.perf_counter() - started) * 1e3
+        self.last_round = result
+        self._due.append(
+            (pending.window, self._reports(result.counts, pending.side), set(pending.alive))
+        )
+
+    # -- stopping, saving, resuming --------------------------------------------------------------
+
+    def _guarded(self, run: Callable[[], T]) -> T:
+        """Run a round; a cohort that must stop saves first (then CohortStopped goes on up)."""
+        try:
+            return run()
+        except CohortStopped as exc:
+            self._save_now(f"the cohort stopped: {exc}")
+            raise
+        except CohortLost:
+            raise
+        except RuntimeError as exc:
+            if self.star is not None or "CohortDiverged" in type(exc).__name__:
+                raise
+            # (gloo: "Connection closed by peer"; NCCL: a watchdog abort) A peer is gone and
+            # the collective backend cannot re-form without it: stop with a save.
+            reason = f"a peer was lost in a collective ({str(exc).splitlines()[0][:200]})"
+            self._save_now(reason)
+            raise CohortStopped(reason) from exc
+
+    def _check_stop(self) -> None:
+        if self.star is None:
+            return
+        client = self.star.client
+        if client.stopped is not None:
+            self._save_now(f"the cohort stopped: {client.stopped}")
+            raise CohortStopped(client.stopped)
+        client.check()
+
+    def _state(self) -> dict[str, Any]:
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "elche": {
+                "window": self.window,
+                "epoch": self.sampler.epoch,
+                "cursor": self.sampler._cursor,
+                "batches_run": self.batches_run,
+                "window_batches": self.window_batches,
+                "alive": sorted(self.alive),
+                "rings": {k: [list(r) for r in v] for k, v in self.schedule.rings.items()},
+                "fill_excess_ms": list(self.schedule.fill_excess_ms),
+                "scale": self.schedule.scale,
+                "mode": self.mode,
+                "world": self.world,
+                "round_done": self._round_done,
+            },
+            "rng": torch.get_rng_state(),
+        }
+
+    def save(self, reason: str = "requested") -> Path | None:
+        """Write this rank's checkpoint and metadata under the save prefix (every rank calls
+        it at the same point of the loop to make a resumable set); None without a prefix."""
+        if self.save_prefix is None:
+            return None
+        where = {
+            "reason": reason,
+            "window": self.window,
+            "epoch": self.sampler.epoch,
+            "mode": self.mode,
+            "backend": self.backend_name,
+            "world": self.world,
+            "pending_batches": self.window_batches,
+            "alive": sorted(self.alive),
+        }
+        path = checkpoint.save(self.save_prefix, self.rank, self._state(), where)
+        log.warning("rank %d saved %s (%s)", self.rank, path, reason)
+        return path
+
+    def _save_now(self, reason: str) -> None:
+        if self._stopping is not None:
+            return
+        self._stopping = reason
+        if self.save_prefix is None:
+            log.warning("rank %d: %s; nothing saved (no save prefix: ElChe(save=...))",
+                        self.rank, reason)  # fmt: skip
+            return
+        self.save(reason)
+
+    def _died(self, error: BaseException) -> None:
+        if isinstance(error, CohortStopped) or self.save_prefix is None:
+            return
+        if getattr(error, "_muster_death_written", False):
+            return
+        if isinstance(error, (KeyboardInterrupt, SystemExit)):
+            reason = f"stopped by {type(error).__name__}"
+        else:
+            reason = f"{type(error).__name__} out of the training loop"
+        where = {
+            "window": self.window,
+            "epoch": self.sampler.epoch,
+            "batches_run": self.batches_run,
+        }
+        checkpoint.death(self.save_prefix, self.rank, reason, where, error)
+        with contextlib.suppress(AttributeError, TypeError):
+            error._muster_death_written = True  # type: ignore[attr-defined]
+
+    def _resume(self, prefix: Path) -> None:
+        state = checkpoint.load(prefix, self.rank)
+        mine = state["elche"]
+        if int(mine["world"]) != self.world or mine["mode"] != self.mode:
+            raise UserError(
+                f"the checkpoint at {prefix} was saved by {mine['world']} ranks in mode "
+                f"{mine['mode']!r}; this run has {self.world} in {self.mode!r}: resume with "
+                "the same world and mode"
+            )
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"])
+        self.window = int(mine["window"])
+        self.batches_run = int(mine["batches_run"])
+        self.alive = {int(r) for r in mine["alive"]}
+        for scale, rings in mine["rings"].items():
+            for ring, values in zip(self.schedule.rings[scale], rings, strict=True):
+                ring.extend(values)
+        self.schedule.fill_excess_ms = list(mine["fill_excess_ms"])
+        self.schedule.scale = mine["scale"]
+        self.start_epoch = max(0, int(mine["epoch"]))
+        self._resume_cursor = int(mine["cursor"])
+        pending = int(mine["window_batches"])
+        if self.mode != "sync" and not mine["round_done"]:
+            # The saved window's round never ran (a stall, or a save mid-window): run it now,
+            # each rank with the batches it had run (0 at a round boundary: then it is idle).
+            summary = WindowSummary(pending, None, 0.0, None)
+            if self.mode == "async":
+                self.mode = "cadence"
+                try:
+                    self._round(summary)
+                finally:
+                    self.mode = "async"
+            else:
+                self._round(summary)
+
+    def close(self) -> None:
+        """Leave the cohort (the star's links and hubs); the process group stays the caller's."""
+        if self.star is not None:
+            self.star.close()
+
+
+_LIVE: weakref.WeakSet[ElChe] = weakref.WeakSet()
+
+
+def _watch_for_death(elche: ElChe) -> None:
+    """An exception the training loop's body raises never passes through ``epoch`` (the
+    generator is only closed later): the interpreter's last hook writes the death record of
+    every ElChe with a save prefix, then does what it did before."""
+    _LIVE.add(elche)
+    if getattr(sys.excepthook, "_muster_elche", False):
+        return
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], error: BaseException, tb: Any) -> None:
+        for live in list(_LIVE):
+            with contextlib.suppress(Exception):
+                live._died(error)
+        previous(kind, error, tb)
+
+    hook._muster_elche = True  # type: ignore[attr-defined]
+    sys.excepthook = hook

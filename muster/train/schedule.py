@@ -157,11 +157,11 @@ class ElCheSchedule:
                 counts = [max(1, round(self.anchor_batches * slowest / r)) for r in known]
                 break
         if epoch_remaining is not None:
-            counts = _cap(counts, max(0, epoch_remaining))
+            counts = cap_counts(counts, max(0, epoch_remaining))
         return counts
 
 
-def _cap(counts: list[int], limit: int) -> list[int]:
+def cap_counts(counts: list[int], limit: int) -> list[int]:
     """Scale counts down so they sum to at most ``limit``, keeping their proportions."""
     total = sum(counts)
     if total <= limit:

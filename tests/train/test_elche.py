@@ -115,8 +115,15 @@ def test_bad_settings_are_refused_before_any_collective() -> None:
 
     model = nn.Linear(2, 1)
     optimizer = SGD(model.parameters(), lr=0.1)
-    with pytest.raises(UserError, match="CPU star backend"):
+    with pytest.raises(UserError, match="needs backend='star'.*itself a barrier"):
         ElChe(model, optimizer, dataset_size=8, batch_size=2, mode="async")
+    with pytest.raises(UserError, match="backend must be one of collective, star"):
+        ElChe(model, optimizer, dataset_size=8, batch_size=2, backend="nccl")
+    with pytest.raises(UserError, match="lookahead must be between 1 and 8"):
+        ElChe(model, optimizer, dataset_size=8, batch_size=2, backend="star", mode="async",
+              lookahead=0)  # fmt: skip
+    with pytest.raises(UserError, match=r"heartbeat_s \(30\) must be .* below timeout_s"):
+        ElChe(model, optimizer, dataset_size=8, batch_size=2, heartbeat_s=30, timeout_s=30)
     with pytest.raises(UserError, match="mode must be one of sync, cadence, async"):
         ElChe(model, optimizer, dataset_size=8, batch_size=2, mode="fast")  # type: ignore[arg-type]
     with pytest.raises(UserError, match=r"gamma must be between 0 .* and 4"):

@@ -1,0 +1,622 @@
+"""The star reduce's hubs: a host's fold and the cohort's root (seed 002, views 2-4 and 7).
+
+One ``Hub`` class plays both tiers. Each collects one contribution per live child for every
+reduce operation (``op``) of the cohort, in order:
+
+- a contribution is a START frame (what, element count, mass, the ranks it speaks for) and
+  the CHUNK frames of its pre-scaled values; a zero-mass one is declared (START alone);
+- chunks are added into one float accumulator as they arrive (f64 for the count gather, f32
+  otherwise, whatever the wire carries), so a hub holds O(model) bytes, never one copy per
+  child;
+- a **fold** (parent set) sums its local ranks and never divides: once every live child is in
+  it sends one host frame up (the summed values, the summed mass, the union of the ranks) and
+  fans the root's answer back out, so K local ranks cost the host's uplink 1x the model's
+  bytes per direction;
+- the **root** (no parent) divides once, on its own reduce thread, by the accepted mass (the
+  mass of exactly the contributions it summed; the count gather is a plain sum), or answers
+  "not realized" when that mass is 0 (every rank keeps its local state).
+
+Every wait has a ceiling:
+- rendezvous: ``idle_s`` (120 s) without a new child, with some still missing, aborts the
+  cohort; ``max_rejected`` (1,024) connections refused before their handshake closes the
+  listener and aborts it too;
+- heartbeats: a child or parent silent past ``timeout_s`` is declared dead (its ranks leave
+  every later op's sum and divisor; the root tells every rank); a closed link is a death
+  at once;
+- the root's reduce stall: an op with a contribution in, ranks missing but alive, past
+  ``stall_s`` (10x the heartbeat timeout, at least 300 s), ends the cohort with SHUTDOWN
+  {reason}: every rank saves and stops.
+The root's reduce thread is the coordinator's state machine: Idle (no contribution of the
+current op yet) -> Pending (one in; waiting for the live rest) -> Idle (answered, or the
+stall ceiling). It never runs on a rank's training thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from muster.train.starwire import (
+    CHUNK_BYTES,
+    DOWN,
+    UP,
+    Codec,
+    Frame,
+    Kind,
+    StarClosed,
+    StarRefused,
+    client_handshake,
+    serve_handshake,
+)
+
+log = logging.getLogger("muster.train.star")
+
+WIRE_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f64": torch.float64}
+HANDSHAKE_S = 10.0
+LEFT = "it left (its ElChe closed)"
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    """The star's bounds (seconds), the same on every rank."""
+
+    heartbeat_s: float = 5.0  # how often a link says it is alive
+    timeout_s: float = 30.0  # a link silent this long is dead
+    stall_s: float | None = None  # a pending op with every missing rank alive; None: 10x, >=300
+    idle_s: float = 120.0  # rendezvous: no new rank for this long aborts the cohort
+    max_rejected: int = 1024  # connections refused before their handshake abort the listener
+
+    @property
+    def stall(self) -> float:
+        return self.stall_s if self.stall_s is not None else max(10 * self.timeout_s, 300.0)
+
+
+def send_values(
+    codec: Codec,
+    lock: threading.Lock,
+    op: int,
+    mass: float,
+    meta: dict[str, Any],
+    values: torch.Tensor | None,
+    wire: str,
+    scale: float = 1.0,
+) -> None:
+    """A START and, unless ``values`` is None (declared), the CHUNKs of ``values * scale``
+    converted to ``wire`` chunk by chunk (the pre-scale is fused into the encode). The send
+    lock is let go between chunks so heartbeats get through."""
+    dtype = WIRE_DTYPES[wire]
+    meta = dict(meta, wire=wire, declared=values is None)
+    with lock:
+        codec.send(Kind.START, op=op, mass=mass, meta=meta)
+    if values is None:
+        return
+    step = max(1, CHUNK_BYTES // torch.empty((), dtype=dtype).element_size())
+    for start in range(0, values.numel(), step):
+        part = values[start : start + step]
+        if scale != 1.0:
+            part = part.to(torch.float32) * scale  # (one rounding to the wire, not two)
+        if part.dtype != dtype:
+            part = part.to(dtype)
+        raw = part.contiguous().view(torch.uint8).numpy()
+        with lock:
+            codec.send(Kind.CHUNK, op=op, offset=start, body=memoryview(raw.data))
+
+
+def read_values(
+    codec: Codec,
+    start: Frame,
+    into: Callable[[int, torch.Tensor], None],
+    on_other: Callable[[Frame], None],
+) -> None:
+    """Read the CHUNKs announced by ``start`` and hand each to ``into(offset, values)``;
+    heartbeats and other frames between them go to ``on_other``."""
+    if start.meta.get("declared"):
+        return
+    n = int(start.meta["n"])
+    dtype = WIRE_DTYPES[str(start.meta["wire"])]
+    got = 0
+    while got < n:
+        frame = codec.read()
+        if frame.kind is not Kind.CHUNK:
+            on_other(frame)
+            continue
+        if frame.op != start.op or frame.offset != got:
+            raise StarRefused(f"CHUNK for op {frame.op} at {frame.offset}, expected {got}")
+        values = torch.frombuffer(frame.body, dtype=dtype) if len(frame.body) else None
+        if values is None or got + values.numel() > n:
+            raise StarRefused("a CHUNK past the announced size")
+        into(got, values)
+        got += values.numel()
+
+
+@dataclass
+class _Child:
+    codec: Codec
+    ranks: frozenset[int]
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    last_seen: float = field(default_factory=time.monotonic)
+    alive: bool = True
+
+
+@dataclass
+class _Op:
+    number: int = 0
+    what: str | None = None
+    n: int = 0
+    acc: torch.Tensor | None = None
+    mass: float = 0.0
+    ranks: set[int] = field(default_factory=set)
+    since: float | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+    tainted: bool = False  # a child died mid-contribution: its partial chunks are in the sum
+
+
+class Hub:
+    """A fold (``parent`` set: a host's local ranks) or the root (all hosts)."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        salt: bytes,
+        ranks: set[int],
+        bind: str,
+        ceilings: Ceilings,
+        wire: str = "f32",
+        parent: tuple[str, int] | None = None,
+    ) -> None:
+        self.name = name
+        self.salt = salt
+        self.ranks = frozenset(ranks)
+        self.ceilings = ceilings
+        self.wire = wire
+        self.parent_address = parent
+        self.cv = threading.Condition()
+        self.acc_lock = threading.Lock()
+        self._accs: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self.children: list[_Child] = []
+        self.joined: set[int] = set()
+        self.dead: dict[int, str] = {}  # rank -> why
+        self.op = _Op()
+        self.finishing = False
+        self.failure: str | None = None  # the cohort is over: the reason
+        self.shutdown_sent = False
+        self.rejected = 0
+        self.closed = False
+        self.parent: Codec | None = None
+        self.parent_lock = threading.Lock()
+        self.parent_seen = time.monotonic()
+        self.result_ready = threading.Event()
+        self.result_frame: Frame | None = None
+        self.uplink_sent = 0  # bytes this fold sent its parent (the benchmark reads it)
+        self.listener = socket.create_server((bind, 0), backlog=128)
+        self.address = self.listener.getsockname()[:2]
+        self._last_join = time.monotonic()
+        self._threads: list[threading.Thread] = []
+        self._spawn(self._accept, "accept")
+        self._spawn(self._reduce_loop, "reduce")
+        self._spawn(self._watch, "watch")
+
+    # -- plumbing --------------------------------------------------------------------------
+
+    def _spawn(self, target: Callable[..., None], what: str, *args: Any) -> None:
+        thread = threading.Thread(
+            target=self._guard, args=(target, what, *args), name=f"star-{self.name}-{what}",
+            daemon=True,
+        )  # fmt: skip
+        self._threads.append(thread)
+        thread.start()
+
+    def _guard(self, target: Callable[..., None], what: str, *args: Any) -> None:
+        try:
+            target(*args)
+        except Exception as exc:  # a hub thread never dies silently
+            if not self.closed:
+                log.exception("star %s: the %s thread failed", self.name, what)
+                self.fail(f"the {self.name} hub's {what} thread failed: {exc}")
+
+    def fail(self, reason: str) -> None:
+        """End the cohort: every rank below is told SHUTDOWN {reason} and saves (a fold tells
+        the root too, which tells every other host)."""
+        with self.cv:
+            if self.failure is None:
+                self.failure = reason
+            self.cv.notify_all()
+        if self.parent is not None:
+            with contextlib.suppress(OSError), self.parent_lock:
+                self.parent.send(Kind.SHUTDOWN, meta={"reason": reason})
+        self._broadcast_shutdown(reason)
+
+    def _broadcast_shutdown(self, reason: str) -> None:
+        with self.cv:
+            if self.shutdown_sent:
+                return
+            self.shutdown_sent = True
+            children = [c for c in self.children if c.alive]
+        for child in children:
+            with contextlib.suppress(OSError, StarRefused), child.lock:
+                child.codec.send(Kind.SHUTDOWN, meta={"reason": reason})
+
+    def close(self) -> None:
+        self.closed = True
+        with self.cv:
+            self.cv.notify_all()
+        with contextlib.suppress(OSError):
+            self.listener.close()
+        for child in self.children:
+            with contextlib.suppress(OSError):
+                child.codec.sock.close()
+        if self.parent is not None:
+            with contextlib.suppress(OSError):
+                self.parent.sock.close()
+
+    # -- rendezvous ------------------------------------------------------------------------
+
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                sock, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(
+                target=self._admit, args=(sock,), name=f"star-{self.name}-admit", daemon=True
+            ).start()
+
+    def _admit(self, sock: socket.socket) -> None:
+        sock.settimeout(HANDSHAKE_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        codec = Codec(sock, send_dir=DOWN, recv_dir=UP)
+        try:
+            ranks = frozenset(serve_handshake(codec, self.salt))
+            with self.cv:
+                if not ranks or not ranks <= self.ranks or ranks & self.joined:
+                    raise StarRefused(f"ranks {sorted(ranks)} are not this hub's to join")
+                sock.settimeout(None)
+                child = _Child(codec, ranks)
+                self.children.append(child)
+                self.joined |= ranks
+                self._last_join = time.monotonic()
+                self.cv.notify_all()
+        except (StarRefused, StarClosed, OSError, ValueError) as exc:
+            sock.close()
+            with self.cv:
+                self.rejected += 1
+                rejected = self.rejected
+            if rejected in (1, 10, 100, 1000):
+                log.warning(
+                    "star %s: refused a connection (%d so far): %s", self.name, rejected, exc
+                )
+            if rejected >= self.ceilings.max_rejected:
+                with contextlib.suppress(OSError):
+                    self.listener.close()
+                self.fail(
+                    f"the star's {self.name} listener refused {rejected} connections before "
+                    "their handshake (another run's ranks, or someone probing the port): "
+                    "the cohort is aborted"
+                )
+            return
+        self._spawn(self._read_child, f"child{min(ranks)}", child)
+
+    def wait_joined(self) -> None:
+        """Until every rank of this hub has joined; raises CohortLost-worthy StarClosed when
+        none joined for ``idle_s`` while some are missing, or the hub failed."""
+        with self.cv:
+            while self.joined != self.ranks:
+                if self.failure is not None:
+                    raise StarClosed(self.failure)
+                idle = time.monotonic() - self._last_join
+                if idle >= self.ceilings.idle_s:
+                    missing = sorted(self.ranks - self.joined)
+                    reason = (
+                        f"the star's rendezvous ({self.name}) waited {idle:.0f} s with no new "
+                        f"rank; ranks {missing} never joined (did they start? can they reach "
+                        f"{self.address[0]}:{self.address[1]}?)"
+                    )
+                    self.failure = reason
+                    raise StarClosed(reason)
+                self.cv.wait(min(1.0, self.ceilings.idle_s - idle))
+        with contextlib.suppress(OSError):
+            self.listener.close()  # the world is formed: no one else may join
+
+    def connect_parent(self, host: str, port: int) -> None:
+        """A fold dials the root, speaking for its host's ranks."""
+        sock = socket.create_connection((host, port), timeout=HANDSHAKE_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        codec = Codec(sock, send_dir=UP, recv_dir=DOWN)
+        client_handshake(codec, self.salt, sorted(self.ranks))
+        sock.settimeout(None)
+        self.parent = codec
+        self.parent_seen = time.monotonic()
+        self._spawn(self._read_parent, "parent")
+
+    # -- children --------------------------------------------------------------------------
+
+    def _read_child(self, child: _Child) -> None:
+        try:
+            while not self.closed:
+                frame = child.codec.read()
+                self._from_child(child, frame)
+        except (StarRefused, StarClosed, OSError) as exc:
+            if self.closed:
+                return
+            why = "left" if isinstance(exc, StarClosed) else f"sent a bad frame ({exc})"
+            self.declare_dead(child, f"its link to the {self.name} hub closed ({why})")
+
+    def _seen(self, child: _Child, frame: Frame) -> None:
+        child.last_seen = time.monotonic()
+        if frame.kind is Kind.HEARTBEAT:
+            return
+        if frame.kind is Kind.DEAD:  # (from a fold: ranks of its host)
+            ranks = {int(r) for r in frame.meta.get("ranks", [])} & child.ranks
+            self._mark_dead(ranks, str(frame.meta.get("reason", "declared dead")))
+        elif frame.kind is Kind.BYE:
+            self.declare_dead(child, LEFT)
+        elif frame.kind is Kind.SHUTDOWN:  # (a fold whose ranks asked for it)
+            self.fail(str(frame.meta.get("reason", "a rank asked the cohort to stop")))
+        else:
+            raise StarRefused(f"unexpected {frame.kind.name} between contributions")
+
+    def _from_child(self, child: _Child, frame: Frame) -> None:
+        child.last_seen = time.monotonic()
+        if frame.kind is not Kind.START:
+            self._seen(child, frame)
+            return
+        what, n = str(frame.meta.get("what")), int(frame.meta.get("n", -1))
+        ranks = {int(r) for r in frame.meta.get("ranks", sorted(child.ranks))} & child.ranks
+        with self.cv:
+            while self.op.number != frame.op or self.finishing:
+                if self.closed or self.failure is not None:
+                    return
+                if frame.op < self.op.number:
+                    raise StarRefused(f"a contribution to op {frame.op}, already answered")
+                child.last_seen = time.monotonic()  # (alive: its frames wait for their turn)
+                self.cv.wait(1.0)
+            op = self.op
+            if op.what is None:
+                op.what, op.n, op.since = what, n, time.monotonic()
+                op.meta = {k: frame.meta[k] for k in ("label",) if k in frame.meta}
+            elif (op.what, op.n) != (what, n):
+                self.fail(
+                    f"the cohort diverged at op {frame.op}: ranks {sorted(ranks)} sent "
+                    f"{what} of {n} values where ranks {sorted(op.ranks)} sent {op.what} of "
+                    f"{op.n} (every rank must run the same loop on the same model)"
+                )
+                return
+        if not frame.meta.get("declared"):
+            with self.acc_lock:
+                if op.acc is None:
+                    op.acc = self._accumulator(n, what)
+            acc = op.acc
+
+            def add(offset: int, values: torch.Tensor) -> None:
+                with self.acc_lock:
+                    acc[offset : offset + values.numel()].add_(values)
+
+            try:
+                read_values(child.codec, frame, add, lambda f: self._seen(child, f))
+            except BaseException:
+                with self.cv:
+                    op.tainted = True  # part of it is in the sum: this op realizes nothing
+                raise
+        with self.cv:
+            if not math.isfinite(frame.mass) or frame.mass < 0:
+                self.fail(f"ranks {sorted(ranks)} sent a mass of {frame.mass}")
+                return
+            op.mass += frame.mass
+            op.ranks |= ranks
+            op.tainted |= bool(frame.meta.get("tainted"))
+            self.cv.notify_all()
+
+    def declare_dead(self, child: _Child, why: str) -> None:
+        with self.cv:
+            if not child.alive:
+                return
+            child.alive = False
+        with contextlib.suppress(OSError):
+            child.codec.sock.close()
+        self._mark_dead(set(child.ranks), why)
+
+    def _mark_dead(self, ranks: set[int], why: str) -> None:
+        with self.cv:
+            fresh = ranks - set(self.dead)
+            for rank in fresh:
+                self.dead[rank] = why
+            self.cv.notify_all()
+        if not fresh:
+            return
+        level = logging.INFO if why.startswith(LEFT) else logging.WARNING
+        log.log(level, "star %s: ranks %s declared dead: %s", self.name, sorted(fresh), why)
+        meta = {"ranks": sorted(fresh), "reason": why}
+        if self.parent is not None:
+            with contextlib.suppress(OSError), self.parent_lock:
+                self.parent.send(Kind.DEAD, meta=meta)
+        for child in [c for c in self.children if c.alive]:
+            with contextlib.suppress(OSError), child.lock:
+                child.codec.send(Kind.DEAD, meta=meta)
+
+    # -- the parent (folds) ----------------------------------------------------------------
+
+    def _read_parent(self) -> None:
+        assert self.parent is not None
+        try:
+            while not self.closed:
+                frame = self.parent.read()
+                self.parent_seen = time.monotonic()
+                if frame.kind is Kind.START:
+                    self._result_from_parent(frame)
+                elif frame.kind is Kind.DEAD:
+                    self._mark_dead({int(r) for r in frame.meta.get("ranks", [])},
+                                    str(frame.meta.get("reason", "declared dead")))  # fmt: skip
+                elif frame.kind is Kind.SHUTDOWN:
+                    self.fail(str(frame.meta.get("reason", "the root stopped the cohort")))
+                elif frame.kind is not Kind.HEARTBEAT:
+                    raise StarRefused(f"unexpected {frame.kind.name} from the root")
+        except (StarRefused, StarClosed, OSError) as exc:
+            if not self.closed:
+                self.fail(f"the link to the star's root broke ({exc}): the root's rank died?")
+
+    def _result_from_parent(self, frame: Frame) -> None:
+        assert self.parent is not None
+        op = self.op
+        if frame.op != op.number:
+            raise StarRefused(f"a result for op {frame.op} while op {op.number} is pending")
+        if not frame.meta.get("declared"):
+            if op.acc is None or op.acc.numel() != int(frame.meta["n"]):
+                op.acc = self._accumulator(int(frame.meta["n"]), str(op.what))
+            acc = op.acc
+
+            def put(offset: int, values: torch.Tensor) -> None:
+                acc[offset : offset + values.numel()].copy_(values)
+
+            def other(f: Frame) -> None:
+                if f.kind is not Kind.HEARTBEAT:
+                    raise StarRefused(f"{f.kind.name} inside a result")
+
+            read_values(self.parent, frame, put, other)
+        self.result_frame = frame
+        self.result_ready.set()
+
+    # -- the reduce ------------------------------------------------------------------------
+
+    def _accumulator(self, n: int, what: str) -> torch.Tensor:
+        """A zeroed accumulator of ``n`` values, reused from op to op (one per size: the
+        parameters', the buffers', the count's), so a hub holds O(model) bytes."""
+        dtype = torch.float64 if what == "count" else torch.float32
+        acc = self._accs.get((n, dtype))
+        if acc is None:
+            acc = self._accs[(n, dtype)] = torch.zeros(n, dtype=dtype)
+        else:
+            acc.zero_()
+        return acc
+
+    def _complete(self) -> bool:
+        op = self.op
+        live = self.ranks - set(self.dead)
+        return op.what is not None and (op.ranks >= live)
+
+    def _reduce_loop(self) -> None:
+        while not self.closed:
+            with self.cv:
+                while not self.closed and self.failure is None and not self._complete():
+                    self._stall_check()
+                    self.cv.wait(0.5)
+                if self.closed or self.failure is not None:
+                    return
+                self.finishing = True
+                op = self.op
+            if self.parent is None:
+                realized, total = self._divide(op)
+                result: dict[str, Any] = {"ranks": sorted(op.ranks), "realized": realized}
+            else:
+                answer = self._up(op)
+                if answer is None:
+                    return
+                result = answer
+                total = float(result.pop("mass"))
+                realized = bool(result["realized"])
+            self._fan_out(op, result, total, realized)
+            with self.cv:
+                self.op = _Op(number=op.number + 1)
+                self.finishing = False
+                self.cv.notify_all()
+
+    def _stall_check(self) -> None:
+        """(Under the lock) Pending past the ceiling with the missing ranks alive: at a fold,
+        local ranks; at the root, hosts. Either tier stops the whole cohort."""
+        op = self.op
+        if op.since is None:
+            return
+        waited = time.monotonic() - op.since
+        if waited < self.ceilings.stall:
+            return
+        missing = sorted(self.ranks - set(self.dead) - op.ranks)
+        reason = (
+            f"the reduce stalled: op {op.number} ({op.what}) waited {waited:.0f} s for ranks "
+            f"{missing}, alive but not contributing (a rank wedged outside its loop?)"
+        )
+        threading.Thread(target=self.fail, args=(reason,), daemon=True).start()
+        op.since = None  # (told once)
+
+    def _divide(self, op: _Op) -> tuple[bool, float]:
+        """The root's one divide (on this, the reduce thread)."""
+        if op.tainted:
+            log.warning("star root: op %d lost a contribution midway: not realized", op.number)
+            return False, op.mass
+        if op.what == "count":
+            return True, op.mass
+        realized = math.isfinite(op.mass) and op.mass > 0.0 and op.acc is not None
+        if realized and op.acc is not None:
+            op.acc.mul_(1.0 / op.mass)
+        return realized, op.mass
+
+    def _up(self, op: _Op) -> dict[str, Any] | None:
+        """A fold's host frame up, then the root's answer back (into the accumulator)."""
+        assert self.parent is not None
+        self.result_ready.clear()
+        meta = {"what": op.what, "n": op.n, "ranks": sorted(op.ranks), **op.meta}
+        if op.tainted:
+            meta["tainted"] = True
+        values = None if op.tainted else op.acc
+        wire = "f64" if op.what == "count" else self.wire
+        before = self.parent.bytes_sent
+        try:
+            send_values(self.parent, self.parent_lock, op.number, op.mass, meta, values, wire)
+        except OSError as exc:
+            self.fail(f"the link to the star's root broke while sending ({exc})")
+            return None
+        self.uplink_sent += self.parent.bytes_sent - before
+        while not self.result_ready.wait(0.5):
+            if self.closed or self.failure is not None:
+                return None
+        frame = self.result_frame
+        assert frame is not None
+        return {
+            "ranks": frame.meta.get("ranks", []),
+            "realized": bool(frame.meta.get("realized")),
+            "mass": frame.mass,
+            "declared": bool(frame.meta.get("declared")),
+        }
+
+    def _fan_out(self, op: _Op, result: dict[str, Any], total: float, realized: bool) -> None:
+        declared = result.pop("declared", False) or not realized or op.acc is None
+        meta = {"what": op.what, "n": op.n, **result}
+        wire = "f64" if op.what == "count" else self.wire
+        for child in [c for c in self.children if c.alive]:
+            try:
+                send_values(
+                    child.codec, child.lock, op.number, total, meta,
+                    None if declared else op.acc, wire,
+                )  # fmt: skip
+            except OSError as exc:
+                self.declare_dead(child, f"the {self.name} hub could not send to it ({exc})")
+
+    # -- heartbeats ------------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        beat = self.ceilings.heartbeat_s
+        while not self.closed:
+            time.sleep(beat)
+            now = time.monotonic()
+            for child in [c for c in self.children if c.alive]:
+                if now - child.last_seen > self.ceilings.timeout_s:
+                    self.declare_dead(
+                        child, f"silent for {now - child.last_seen:.0f} s (heartbeat timeout)"
+                    )
+                    continue
+                with contextlib.suppress(OSError), child.lock:
+                    child.codec.send(Kind.HEARTBEAT)
+            if self.parent is not None and self.failure is None:
+                if now - self.parent_seen > self.ceilings.timeout_s:
+                    self.fail(f"the star's root has been silent for {now - self.parent_seen:.0f} s")
+                    continue
+                with contextlib.suppress(OSError), self.parent_lock:
+                    self.parent.send(Kind.HEARTBEAT)

@@ -1,0 +1,160 @@
+"""The star reduce on real torchrun processes (gloo for the start only, CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from muster.cli.local import free_port
+from tests.train.torchrun import ROOT, torchrun
+
+WORKER = ROOT / "tests/train/star_worker.py"
+
+
+def ranks(out: Path, n: int) -> list[dict]:  # type: ignore[type-arg]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(n)]
+
+
+def nodes(
+    out: Path, scenario: str, per_node: list[int], *args: str, survivors: int, timeout: float = 120
+) -> list[int | None]:
+    """One torchrun per node on loopback (static rendezvous): each node is a "host" of its
+    own (torchrun's GROUP_RANK), so the star gets one fold per node. Returns the exit codes
+    once ranks 0..survivors-1 wrote their results; a node still running then is stopped
+    (None): torchrun's agent waits in its exit barrier (300 s, not settable from its command
+    line) for a node whose agent is gone."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                str(len(per_node)),
+                "--node-rank",
+                str(i),
+                "--nproc-per-node",
+                str(n),
+                "--max-restarts=0",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(port),
+                str(WORKER),
+                str(out),
+                scenario,
+                *args,
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for i, n in enumerate(per_node)
+    ]
+    deadline = time.monotonic() + timeout
+    try:
+        while not all((out / f"rank{r}.json").exists() for r in range(survivors)):
+            assert time.monotonic() < deadline, "the survivors never finished"
+            assert any(p.poll() is None for p in procs), [p.returncode for p in procs]
+            time.sleep(0.2)
+        time.sleep(1.0)
+        return [p.poll() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
+def test_the_consensus_is_the_same_whatever_the_fold_depth(tmp_path: Path) -> None:
+    """4 ranks with 1, 2 and 4 ranks per host: each gives the realized-work average (counts
+    1..4, gamma 0.5) within float tolerance, and a fold sends its host's sum up once."""
+    torchrun(WORKER, str(tmp_path), "invariance", nproc=4, timeout=120)
+    seen = ranks(tmp_path, 4)
+    expected = torch.tensor(seen[0]["expected"])
+    for rank, mine in enumerate(seen):
+        for per_host in ("1", "2", "4"):
+            consensus = torch.tensor(mine[per_host]["consensus"])
+            assert torch.allclose(consensus, expected, atol=1e-6), (rank, per_host)
+            assert mine[per_host]["side"] == [0.0, 10.0, 20.0, 30.0]  # (rode the count)
+    # The uplink: one host frame per op, whatever the host's rank count (about the model's
+    # bytes, plus the count and the buffers' op): the same with 1, 2 or 4 local ranks.
+    uplinks = {per_host: seen[0][per_host]["uplink"] for per_host in ("1", "2", "4")}
+    model = seen[0]["1"]["model_bytes"]
+    assert all(model <= up < model * 1.5 for up in uplinks.values()), uplinks
+    assert max(uplinks.values()) - min(uplinks.values()) < 64, uplinks
+
+
+def test_sync_matches_ddp_and_cadence_and_async_train(tmp_path: Path) -> None:
+    torchrun(WORKER, str(tmp_path), "modes", nproc=2, timeout=180)
+    a, b = ranks(tmp_path, 2)
+    assert a["sync_gap"] < 1e-5
+    assert b["sync_gap"] < 1e-5
+    for mode in ("cadence", "async"):
+        assert a[mode]["last"] < a[mode]["first"] / 3, (mode, a[mode])
+        # every epoch ends on a round: one model on every rank
+        gap = (torch.tensor(a[mode]["params"]) - torch.tensor(b[mode]["params"])).abs().max()
+        assert float(gap) < 1e-5, mode
+        assert a[mode]["counts"][0] > a[mode]["counts"][1], a[mode]  # the fast rank runs ahead
+
+
+def test_a_rank_killed_mid_window_leaves_the_sum_and_the_rest_go_on(tmp_path: Path) -> None:
+    codes = nodes(tmp_path, "kill", [2, 1], survivors=2)
+    assert codes[1] not in (None, 0), codes  # node 1's rank was SIGKILLed
+    a, b = ranks(tmp_path, 2)
+    assert not (tmp_path / "rank2.json").exists()
+    assert "2" in a["dead"], a["dead"]
+    assert "2" in b["dead"], b["dead"]
+    after = [r for r in a["rounds"] if r["window"] > 2]
+    assert after, a["rounds"]
+    for round_ in after:  # every later round: rank 2 neither counted nor planned for
+        assert round_["alive"] == [0, 1], round_
+        assert round_["counts"][2] == 0, round_
+    assert a["rounds"][0]["alive"] == [0, 1, 2]
+    gap = (torch.tensor(a["params"]) - torch.tensor(b["params"])).abs().max()
+    assert float(gap) < 1e-5  # the survivors ended on one model
+
+
+def test_a_stalled_reduce_ends_in_a_save_with_the_reason(tmp_path: Path) -> None:
+    save = tmp_path / "ckpt" / "run"
+    torchrun(WORKER, str(tmp_path), "stall", str(save), nproc=2, timeout=120)
+    for rank, seen in enumerate(ranks(tmp_path, 2)):
+        assert "stalled" in (seen["stopped"] or ""), seen
+        assert "[1]" in seen["stopped"]  # names the rank it waited for
+        meta = json.loads(Path(f"{save}.rank{rank}.meta.json").read_text())
+        assert "stalled" in meta["reason"]
+        assert meta["rank"] == rank
+        assert Path(f"{save}.rank{rank}.pt").exists()
+    assert ranks(tmp_path, 2)[0]["after_s"] < 30
+
+
+def test_resuming_from_a_save_gives_the_uninterrupted_model(tmp_path: Path) -> None:
+    save = tmp_path / "ckpt" / "run"
+    torchrun(WORKER, str(tmp_path), "resume", str(save), nproc=2, timeout=120)
+    for seen in ranks(tmp_path, 2):
+        straight, at_save, resumed = (
+            torch.tensor(seen[k]) for k in ("straight", "at_save", "resumed")
+        )
+        assert float((straight - at_save).abs().max()) > 1e-3  # (the save was mid-run)
+        assert torch.allclose(resumed, straight, atol=1e-5)
+
+
+def test_a_dying_rank_writes_why_and_the_cohort_goes_on(tmp_path: Path) -> None:
+    save = tmp_path / "run"
+    codes = nodes(tmp_path, "death", [1, 1], str(save), survivors=1)
+    assert codes[1] not in (None, 0), codes
+    record = json.loads(Path(f"{save}.rank1.death.json").read_text())
+    assert "RuntimeError" in record["reason"]
+    assert "a rank's own bug" in record["exception"]
+    assert record["window"] >= 2
+    survivor = ranks(tmp_path, 1)[0]
+    assert survivor["alive"] == [0]
+    assert survivor["windows"] > 2
