@@ -246,12 +246,19 @@ class Hub:
             with contextlib.suppress(OSError, StarRefused), child.lock:
                 child.codec.send(Kind.SHUTDOWN, meta={"reason": reason})
 
+    def _stop_listening(self) -> None:
+        # (shutdown first: on Linux a close from another thread leaves a blocked accept, and
+        # with it the listening socket, alive)
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError):
+            self.listener.close()
+
     def close(self) -> None:
         self.closed = True
         with self.cv:
             self.cv.notify_all()
-        with contextlib.suppress(OSError):
-            self.listener.close()
+        self._stop_listening()
         for child in self.children:
             with contextlib.suppress(OSError):
                 child.codec.sock.close()
@@ -275,11 +282,18 @@ class Hub:
         sock.settimeout(HANDSHAKE_S)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         codec = Codec(sock, send_dir=DOWN, recv_dir=UP)
-        try:
-            ranks = frozenset(serve_handshake(codec, self.salt))
+
+        def admit(asked: list[int]) -> None:
+            wanted = frozenset(asked)
             with self.cv:
-                if not ranks or not ranks <= self.ranks or ranks & self.joined:
-                    raise StarRefused(f"ranks {sorted(ranks)} are not this hub's to join")
+                if not wanted or not wanted <= self.ranks or wanted & self.joined:
+                    raise StarRefused(f"ranks {sorted(wanted)} are not this hub's to join")
+
+        try:
+            ranks = frozenset(serve_handshake(codec, self.salt, admit))
+            with self.cv:
+                if ranks & self.joined:
+                    raise StarRefused(f"ranks {sorted(ranks)} joined already")
                 sock.settimeout(None)
                 child = _Child(codec, ranks)
                 self.children.append(child)
@@ -296,8 +310,7 @@ class Hub:
                     "star %s: refused a connection (%d so far): %s", self.name, rejected, exc
                 )
             if rejected >= self.ceilings.max_rejected:
-                with contextlib.suppress(OSError):
-                    self.listener.close()
+                self._stop_listening()
                 self.fail(
                     f"the star's {self.name} listener refused {rejected} connections before "
                     "their handshake (another run's ranks, or someone probing the port): "
@@ -324,8 +337,7 @@ class Hub:
                     self.failure = reason
                     raise StarClosed(reason)
                 self.cv.wait(min(1.0, self.ceilings.idle_s - idle))
-        with contextlib.suppress(OSError):
-            self.listener.close()  # the world is formed: no one else may join
+        self._stop_listening()  # the world is formed: no one else may join
 
     def connect_parent(self, host: str, port: int) -> None:
         """A fold dials the root, speaking for its host's ranks."""

@@ -37,6 +37,7 @@ import hmac
 import secrets
 import socket
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
@@ -226,9 +227,12 @@ class Codec:
         return Frame(kind, seq, op, mass, offset, meta, body)
 
 
-def serve_handshake(codec: Codec, salt: bytes) -> list[int]:
-    """Server side: challenge, check the HELLO's proof, answer WELCOME; returns the ranks
-    the client speaks for. Raises StarRefused on anything else."""
+def serve_handshake(
+    codec: Codec, salt: bytes, admit: Callable[[list[int]], None] | None = None
+) -> list[int]:
+    """Server side: challenge, check the HELLO's proof, ``admit(ranks)`` (raises StarRefused
+    for ranks that may not join), answer WELCOME; returns the ranks the client speaks for.
+    Raises StarRefused on anything else."""
     snonce = new_nonce()
     codec.send(Kind.CHALLENGE, meta={"nonce": snonce.hex()}, plain=True)
     hello = codec.read(plain=True)
@@ -242,6 +246,8 @@ def serve_handshake(codec: Codec, salt: bytes) -> list[int]:
         raise StarRefused("a malformed HELLO") from None
     if len(cnonce) != 32 or not proofs_match(proof, hello_proof(salt, snonce, cnonce, ranks)):
         raise StarRefused("a HELLO whose proof does not hold (another run's salt, or forged)")
+    if admit is not None:
+        admit(ranks)
     codec.key = session_key(salt, snonce, cnonce)
     codec.send(Kind.WELCOME, meta={"proof": server_proof(salt, snonce, cnonce).hex()})
     return ranks
