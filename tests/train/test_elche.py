@@ -115,7 +115,7 @@ def test_bad_settings_are_refused_before_any_collective() -> None:
 
     model = nn.Linear(2, 1)
     optimizer = SGD(model.parameters(), lr=0.1)
-    with pytest.raises(UserError, match="needs backend='star'.*itself a barrier"):
+    with pytest.raises(UserError, match=r"needs backend='star'.*itself a barrier"):
         ElChe(model, optimizer, dataset_size=8, batch_size=2, mode="async")
     with pytest.raises(UserError, match="backend must be one of collective, star"):
         ElChe(model, optimizer, dataset_size=8, batch_size=2, backend="nccl")

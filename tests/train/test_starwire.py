@@ -79,13 +79,13 @@ def test_a_hello_without_the_salt_is_refused_and_counted(root: Hub) -> None:
     with socket.create_connection(root.address) as sock:
         sock.sendall(b"GET / HTTP/1.1\r\n\r\n" + b"\0" * 64)
         sock.settimeout(5)
-        with pytest.raises(OSError):
-            while sock.recv(4096):
+        with contextlib.suppress(ConnectionResetError):
+            while sock.recv(4096):  # (the hub closes it, saying nothing)
                 pass
-            raise OSError("closed")
     until(lambda: root.rejected == 2)
-    raw(root, [0])  # an honest rank still joins
-    assert 0 in root.joined
+    honest = raw(root, [0])  # an honest rank still joins
+    until(lambda: 0 in root.joined)
+    honest.sock.close()
 
 
 def test_a_rank_cannot_join_for_another_or_twice(root: Hub) -> None:
@@ -150,7 +150,7 @@ def test_a_thousand_rejected_connections_abort_the_listener() -> None:
                 break  # (the listener closed)
         until(lambda: hub.failure is not None)
         assert "refused 1024 connections" in str(hub.failure)
-        with pytest.raises(OSError):
+        with pytest.raises(ConnectionRefusedError):
             socket.create_connection(hub.address, timeout=2).close()
     finally:
         hub.close()
