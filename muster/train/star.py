@@ -76,7 +76,7 @@ class Pending:
 
     op: int
     target: torch.Tensor | None
-    client: StarClient
+    client: StarClient | LocalClient
     done: threading.Event = field(default_factory=threading.Event)
     result: Result | None = None
 
@@ -98,6 +98,81 @@ class Pending:
         client.check()
         assert self.result is not None
         return self.result
+
+
+class LocalClient:
+    """A rank whose process hosts its host's fold: contributions go straight into the fold's
+    accumulator, results are copied out of it (no socket, no MAC, no extra copy)."""
+
+    def __init__(self, rank: int, fold: Hub, ceilings: Ceilings, wire: str) -> None:
+        self.rank = rank
+        self.fold = fold
+        self.ceilings = ceilings
+        self.wire = wire
+        self.op = 0
+        self.pending: Pending | None = None
+        self.dead: dict[int, str] = {}
+        self.stopped: str | None = None
+        self.lost: str | None = None
+        self.closed = False
+        self.child = fold.attach({rank}, self._deliver)
+
+    def check(self) -> None:
+        if self.stopped is not None:
+            raise CohortStopped(self.stopped)
+        if self.lost is not None:
+            raise CohortLost(self.lost)
+
+    def submit(
+        self,
+        what: str,
+        values: torch.Tensor | None,
+        n: int,
+        mass: float,
+        target: torch.Tensor | None,
+        *,
+        scale: float = 1.0,
+        wire: str | None = None,
+    ) -> Pending:
+        del wire  # (nothing crosses a wire)
+        self.check()
+        if self.pending is not None and not self.pending.ready():
+            raise UserError("the star client has an operation in flight already")
+        pending = Pending(self.op, target, self)
+        self.pending = pending
+        self.op += 1
+        meta = {"what": what, "n": n, "ranks": [self.rank]}
+        self.fold.contribute(self.child, pending.op, mass, meta, values, scale)
+        if self.fold.failure is not None and self.stopped is None:
+            self.stopped = self.fold.failure
+        return pending
+
+    def _deliver(
+        self, kind: Kind, number: int, mass: float, meta: dict[str, Any], values: Any
+    ) -> None:
+        if kind is Kind.DEAD:
+            for rank in meta.get("ranks", []):
+                self.dead[int(rank)] = str(meta.get("reason", ""))
+        elif kind is Kind.SHUTDOWN:
+            self.stopped = str(meta.get("reason", "the cohort stopped"))
+        elif kind is Kind.START:
+            pending = self.pending
+            if pending is None or number != pending.op:
+                return
+            if values is not None and pending.target is not None:
+                pending.target.copy_(values)
+            pending.result = Result(
+                frozenset(int(r) for r in meta.get("ranks", [])), mass, bool(meta.get("realized"))
+            )
+            pending.done.set()
+
+    def ask_stop(self, reason: str) -> None:
+        self.fold.fail(reason)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.fold.leave(self.child)
 
 
 class StarClient:
@@ -238,16 +313,18 @@ class StarClient:
 class Star:
     """This rank's share of the star: its client, and the hubs its process hosts."""
 
-    client: StarClient
+    client: StarClient | LocalClient
     fold: Hub | None
     root: Hub | None
     hosts: list[list[int]]  # the cohort's ranks, grouped by host
 
     def close(self) -> None:
+        """Leave; a hub this rank hosts serves its peers until they leave too (bounded)."""
         self.client.close()
+        linger = max(60.0, self.client.ceilings.timeout_s)
         for hub in (self.fold, self.root):
             if hub is not None:
-                hub.close()
+                hub.drain(linger)
 
 
 def _host_key(rank: int, hosts: Sequence[int] | None) -> str:
@@ -298,16 +375,20 @@ def form(
     salt = bytes.fromhex(str(offer[0]))
     root_address = (str(offer[1][0]), int(offer[1][1]))
     fold = None
-    if rank == mine[0]:
+    if rank == mine[0]:  # (rank 0's fold is the root's child in this process: no socket)
         fold = Hub(name=f"fold{len(order)}-{rank}", salt=salt, ranks=set(mine),
                    bind="127.0.0.1", ceilings=ceilings, wire=wire,
-                   parent=root_address)  # fmt: skip
+                   parent=root if root is not None else root_address)  # fmt: skip
     ports: list[Any] = [None] * world
     dist.all_gather_object(ports, fold.address[1] if fold is not None else None, group=group)
+    client: StarClient | LocalClient
     try:
-        if fold is not None:
+        if fold is not None and root is None:
             fold.connect_parent(*root_address)
-        client = StarClient(rank, ("127.0.0.1", int(ports[mine[0]])), salt, ceilings, wire)
+        if fold is not None:
+            client = LocalClient(rank, fold, ceilings, wire)
+        else:
+            client = StarClient(rank, ("127.0.0.1", int(ports[mine[0]])), salt, ceilings, wire)
         if fold is not None:
             fold.wait_joined()
         if root is not None:

@@ -138,10 +138,15 @@ def read_values(
         got += values.numel()
 
 
+# An in-process child's receiver: (kind, op, mass, meta, values or None), called by the hub.
+Deliver = Callable[[Kind, int, float, dict[str, Any], "torch.Tensor | None"], None]
+
+
 @dataclass
 class _Child:
-    codec: Codec
+    codec: Codec | None  # None: in this process (``local`` receives)
     ranks: frozenset[int]
+    local: Deliver | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
     last_seen: float = field(default_factory=time.monotonic)
     alive: bool = True
@@ -172,7 +177,7 @@ class Hub:
         bind: str,
         ceilings: Ceilings,
         wire: str = "f32",
-        parent: tuple[str, int] | None = None,
+        parent: tuple[str, int] | Hub | None = None,
     ) -> None:
         self.name = name
         self.salt = salt
@@ -193,6 +198,8 @@ class Hub:
         self.rejected = 0
         self.closed = False
         self.parent: Codec | None = None
+        self.parent_local: Hub | None = None  # the root, when this process hosts it too
+        self.parent_child: _Child | None = None  # this fold, as the local root's child
         self.parent_lock = threading.Lock()
         self.parent_seen = time.monotonic()
         self.result_ready = threading.Event()
@@ -202,9 +209,16 @@ class Hub:
         self.address = self.listener.getsockname()[:2]
         self._last_join = time.monotonic()
         self._threads: list[threading.Thread] = []
+        if isinstance(parent, Hub):
+            self.parent_local = parent
+            self.parent_child = parent.attach(set(self.ranks), self._from_local_parent)
         self._spawn(self._accept, "accept")
         self._spawn(self._reduce_loop, "reduce")
         self._spawn(self._watch, "watch")
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None and self.parent_local is None
 
     # -- plumbing --------------------------------------------------------------------------
 
@@ -231,10 +245,29 @@ class Hub:
             if self.failure is None:
                 self.failure = reason
             self.cv.notify_all()
+        self._tell_parent(Kind.SHUTDOWN, {"reason": reason})
+        self._broadcast_shutdown(reason)
+
+    def _tell(self, child: _Child, kind: Kind, meta: dict[str, Any]) -> None:
+        """A small frame (DEAD, SHUTDOWN, HEARTBEAT) to one child; a broken link is not an
+        error here (its reader declares it)."""
+        if child.local is not None:
+            child.local(kind, 0, 0.0, meta, None)
+            return
+        assert child.codec is not None
+        with contextlib.suppress(OSError, StarRefused), child.lock:
+            child.codec.send(kind, meta=meta)
+
+    def _tell_parent(self, kind: Kind, meta: dict[str, Any]) -> None:
+        if self.parent_local is not None:
+            if kind is Kind.DEAD:
+                self.parent_local._mark_dead(set(meta["ranks"]), str(meta["reason"]))
+            elif kind is Kind.SHUTDOWN:
+                self.parent_local.fail(str(meta["reason"]))
+            return
         if self.parent is not None:
             with contextlib.suppress(OSError), self.parent_lock:
-                self.parent.send(Kind.SHUTDOWN, meta={"reason": reason})
-        self._broadcast_shutdown(reason)
+                self.parent.send(kind, meta=meta)
 
     def _broadcast_shutdown(self, reason: str) -> None:
         with self.cv:
@@ -243,8 +276,7 @@ class Hub:
             self.shutdown_sent = True
             children = [c for c in self.children if c.alive]
         for child in children:
-            with contextlib.suppress(OSError, StarRefused), child.lock:
-                child.codec.send(Kind.SHUTDOWN, meta={"reason": reason})
+            self._tell(child, Kind.SHUTDOWN, {"reason": reason})
 
     def _stop_listening(self) -> None:
         # (shutdown first: on Linux a close from another thread leaves a blocked accept, and
@@ -254,14 +286,34 @@ class Hub:
         with contextlib.suppress(OSError):
             self.listener.close()
 
+    def drain(self, timeout: float) -> None:
+        """Close once every child has left or died (at most ``timeout`` s): a rank that hosts
+        a hub and ends its loop first must not cut its peers off their last results. Then
+        leave the parent, and close."""
+        deadline = time.monotonic() + timeout
+        with self.cv:
+            while (
+                any(c.alive for c in self.children)
+                and not self.closed
+                and time.monotonic() < deadline
+            ):
+                self.cv.wait(0.2)
+        if self.parent_local is not None and self.parent_child is not None:
+            self.parent_local.leave(self.parent_child)
+        elif self.parent is not None:
+            with contextlib.suppress(OSError), self.parent_lock:
+                self.parent.send(Kind.BYE)
+        self.close()
+
     def close(self) -> None:
         self.closed = True
         with self.cv:
             self.cv.notify_all()
         self._stop_listening()
         for child in self.children:
-            with contextlib.suppress(OSError):
-                child.codec.sock.close()
+            if child.codec is not None:
+                with contextlib.suppress(OSError):
+                    child.codec.sock.close()
         if self.parent is not None:
             with contextlib.suppress(OSError):
                 self.parent.sock.close()
@@ -353,6 +405,7 @@ class Hub:
     # -- children --------------------------------------------------------------------------
 
     def _read_child(self, child: _Child) -> None:
+        assert child.codec is not None
         try:
             while not self.closed:
                 frame = child.codec.read()
@@ -382,59 +435,119 @@ class Hub:
         if frame.kind is not Kind.START:
             self._seen(child, frame)
             return
-        what, n = str(frame.meta.get("what")), int(frame.meta.get("n", -1))
+        assert child.codec is not None
+        codec = child.codec
         ranks = {int(r) for r in frame.meta.get("ranks", sorted(child.ranks))} & child.ranks
-        with self.cv:
-            while self.op.number != frame.op or self.finishing:
-                if self.closed or self.failure is not None:
-                    return
-                if frame.op < self.op.number:
-                    raise StarRefused(f"a contribution to op {frame.op}, already answered")
-                child.last_seen = time.monotonic()  # (alive: its frames wait for their turn)
-                self.cv.wait(1.0)
-            op = self.op
-            if op.what is None:
-                op.what, op.n, op.since = what, n, time.monotonic()
-                op.meta = {k: frame.meta[k] for k in ("label",) if k in frame.meta}
-            elif (op.what, op.n) != (what, n):
-                self.fail(
-                    f"the cohort diverged at op {frame.op}: ranks {sorted(ranks)} sent "
-                    f"{what} of {n} values where ranks {sorted(op.ranks)} sent {op.what} of "
-                    f"{op.n} (every rank must run the same loop on the same model)"
-                )
-                return
+        op = self._turn(child, frame.op, frame.meta, ranks)
+        if op is None:
+            return
         if not frame.meta.get("declared"):
-            with self.acc_lock:
-                if op.acc is None:
-                    op.acc = self._accumulator(n, what)
-            acc = op.acc
+            acc = self._acc_of(op)
 
             def add(offset: int, values: torch.Tensor) -> None:
                 with self.acc_lock:
                     acc[offset : offset + values.numel()].add_(values)
 
             try:
-                read_values(child.codec, frame, add, lambda f: self._seen(child, f))
+                read_values(codec, frame, add, lambda f: self._seen(child, f))
             except BaseException:
                 with self.cv:
                     op.tainted = True  # part of it is in the sum: this op realizes nothing
                 raise
+        self._counted(op, frame.mass, ranks, bool(frame.meta.get("tainted")))
+
+    def _turn(
+        self, child: _Child, number: int, meta: dict[str, Any], ranks: set[int]
+    ) -> _Op | None:
+        """Wait until op ``number`` is the one collected (a contribution to the next one
+        waits while this one is answered); None when the cohort is over."""
+        what, n = str(meta.get("what")), int(meta.get("n", -1))
         with self.cv:
-            if not math.isfinite(frame.mass) or frame.mass < 0:
-                self.fail(f"ranks {sorted(ranks)} sent a mass of {frame.mass}")
+            while self.op.number != number or self.finishing:
+                if self.closed or self.failure is not None:
+                    return None
+                if number < self.op.number:
+                    raise StarRefused(f"a contribution to op {number}, already answered")
+                child.last_seen = time.monotonic()  # (alive: its frames wait for their turn)
+                self.cv.wait(1.0)
+            op = self.op
+            if op.what is None:
+                op.what, op.n, op.since = what, n, time.monotonic()
+            elif (op.what, op.n) != (what, n):
+                reason = (
+                    f"the cohort diverged at op {number}: ranks {sorted(ranks)} sent "
+                    f"{what} of {n} values where ranks {sorted(op.ranks)} sent {op.what} of "
+                    f"{op.n} (every rank must run the same loop on the same model)"
+                )
+                threading.Thread(target=self.fail, args=(reason,), daemon=True).start()
+                return None
+            return op
+
+    def _acc_of(self, op: _Op) -> torch.Tensor:
+        with self.acc_lock:
+            if op.acc is None:
+                op.acc = self._accumulator(op.n, str(op.what))
+            return op.acc
+
+    def _counted(self, op: _Op, mass: float, ranks: set[int], tainted: bool) -> None:
+        with self.cv:
+            if not math.isfinite(mass) or mass < 0:
+                reason = f"ranks {sorted(ranks)} sent a mass of {mass}"
+                threading.Thread(target=self.fail, args=(reason,), daemon=True).start()
                 return
-            op.mass += frame.mass
+            op.mass += mass
             op.ranks |= ranks
-            op.tainted |= bool(frame.meta.get("tainted"))
+            op.tainted |= tainted
             self.cv.notify_all()
+
+    # -- children in this process ------------------------------------------------------------
+
+    def attach(self, ranks: set[int], deliver: Deliver) -> _Child:
+        """A child in this process (the fold's own rank, the root's own host's fold): no
+        socket, no MAC, no copy on the way in; ``deliver`` receives what a link would."""
+        child = _Child(None, frozenset(ranks), local=deliver)
+        with self.cv:
+            if not child.ranks <= self.ranks or child.ranks & self.joined:
+                raise StarRefused(f"ranks {sorted(ranks)} are not this hub's to join")
+            self.children.append(child)
+            self.joined |= child.ranks
+            self._last_join = time.monotonic()
+            self.cv.notify_all()
+        return child
+
+    def contribute(
+        self,
+        child: _Child,
+        number: int,
+        mass: float,
+        meta: dict[str, Any],
+        values: torch.Tensor | None,
+        scale: float = 1.0,
+    ) -> None:
+        """An in-process child's contribution (``values * scale``; None: declared). Waits
+        only for its op's turn; the sum is taken on the caller's thread."""
+        ranks = set(child.ranks) & {int(r) for r in meta.get("ranks", sorted(child.ranks))}
+        op = self._turn(child, number, meta, ranks)
+        if op is None:
+            return
+        if values is not None:
+            acc = self._acc_of(op)
+            with self.acc_lock:
+                acc.add_(values.reshape(-1), alpha=scale)
+        self._counted(op, mass, ranks, bool(meta.get("tainted")))
+
+    def leave(self, child: _Child) -> None:
+        self.declare_dead(child, LEFT)
 
     def declare_dead(self, child: _Child, why: str) -> None:
         with self.cv:
             if not child.alive:
                 return
             child.alive = False
-        with contextlib.suppress(OSError):
-            child.codec.sock.close()
+            self.cv.notify_all()
+        if child.codec is not None:
+            with contextlib.suppress(OSError):
+                child.codec.sock.close()
         self._mark_dead(set(child.ranks), why)
 
     def _mark_dead(self, ranks: set[int], why: str) -> None:
@@ -448,12 +561,9 @@ class Hub:
         level = logging.INFO if why.startswith(LEFT) else logging.WARNING
         log.log(level, "star %s: ranks %s declared dead: %s", self.name, sorted(fresh), why)
         meta = {"ranks": sorted(fresh), "reason": why}
-        if self.parent is not None:
-            with contextlib.suppress(OSError), self.parent_lock:
-                self.parent.send(Kind.DEAD, meta=meta)
+        self._tell_parent(Kind.DEAD, meta)
         for child in [c for c in self.children if c.alive]:
-            with contextlib.suppress(OSError), child.lock:
-                child.codec.send(Kind.DEAD, meta=meta)
+            self._tell(child, Kind.DEAD, meta)
 
     # -- the parent (folds) ----------------------------------------------------------------
 
@@ -465,16 +575,40 @@ class Hub:
                 self.parent_seen = time.monotonic()
                 if frame.kind is Kind.START:
                     self._result_from_parent(frame)
-                elif frame.kind is Kind.DEAD:
-                    self._mark_dead({int(r) for r in frame.meta.get("ranks", [])},
-                                    str(frame.meta.get("reason", "declared dead")))  # fmt: skip
-                elif frame.kind is Kind.SHUTDOWN:
-                    self.fail(str(frame.meta.get("reason", "the root stopped the cohort")))
-                elif frame.kind is not Kind.HEARTBEAT:
-                    raise StarRefused(f"unexpected {frame.kind.name} from the root")
+                else:
+                    self._parent_said(frame)
         except (StarRefused, StarClosed, OSError) as exc:
             if not self.closed:
                 self.fail(f"the link to the star's root broke ({exc}): the root's rank died?")
+
+    def _from_local_parent(
+        self, kind: Kind, number: int, mass: float, meta: dict[str, Any], values: Any
+    ) -> None:
+        """What the root in this process tells its local fold (on the root's threads)."""
+        if kind is Kind.DEAD:
+            self._mark_dead({int(r) for r in meta["ranks"]}, str(meta["reason"]))
+        elif kind is Kind.SHUTDOWN:
+            self.fail(str(meta["reason"]))
+        elif kind is Kind.START:
+            op = self.op
+            if number != op.number:
+                raise StarRefused(f"a result for op {number} while op {op.number} is pending")
+            if values is not None:
+                if op.acc is None or op.acc.numel() != values.numel():
+                    op.acc = self._accumulator(values.numel(), str(op.what))
+                op.acc.copy_(values)
+            self.result_frame = Frame(Kind.START, 0, number, mass, 0, meta, memoryview(b""))
+            self.result_ready.set()
+
+    def _parent_said(self, frame: Frame) -> None:
+        """The root's frames other than results (they may come between a result's chunks)."""
+        if frame.kind is Kind.DEAD:
+            self._mark_dead({int(r) for r in frame.meta.get("ranks", [])},
+                            str(frame.meta.get("reason", "declared dead")))  # fmt: skip
+        elif frame.kind is Kind.SHUTDOWN:
+            self.fail(str(frame.meta.get("reason", "the root stopped the cohort")))
+        elif frame.kind is not Kind.HEARTBEAT:
+            raise StarRefused(f"unexpected {frame.kind.name} from the root")
 
     def _result_from_parent(self, frame: Frame) -> None:
         assert self.parent is not None
@@ -489,11 +623,7 @@ class Hub:
             def put(offset: int, values: torch.Tensor) -> None:
                 acc[offset : offset + values.numel()].copy_(values)
 
-            def other(f: Frame) -> None:
-                if f.kind is not Kind.HEARTBEAT:
-                    raise StarRefused(f"{f.kind.name} inside a result")
-
-            read_values(self.parent, frame, put, other)
+            read_values(self.parent, frame, put, self._parent_said)
         self.result_frame = frame
         self.result_ready.set()
 
@@ -525,7 +655,7 @@ class Hub:
                     return
                 self.finishing = True
                 op = self.op
-            if self.parent is None:
+            if self.is_root:
                 realized, total = self._divide(op)
                 result: dict[str, Any] = {"ranks": sorted(op.ranks), "realized": realized}
             else:
@@ -572,20 +702,24 @@ class Hub:
 
     def _up(self, op: _Op) -> dict[str, Any] | None:
         """A fold's host frame up, then the root's answer back (into the accumulator)."""
-        assert self.parent is not None
         self.result_ready.clear()
         meta = {"what": op.what, "n": op.n, "ranks": sorted(op.ranks), **op.meta}
         if op.tainted:
             meta["tainted"] = True
         values = None if op.tainted else op.acc
         wire = "f64" if op.what == "count" else self.wire
-        before = self.parent.bytes_sent
-        try:
-            send_values(self.parent, self.parent_lock, op.number, op.mass, meta, values, wire)
-        except OSError as exc:
-            self.fail(f"the link to the star's root broke while sending ({exc})")
-            return None
-        self.uplink_sent += self.parent.bytes_sent - before
+        if self.parent_local is not None:
+            assert self.parent_child is not None
+            self.parent_local.contribute(self.parent_child, op.number, op.mass, meta, values)
+        else:
+            assert self.parent is not None
+            before = self.parent.bytes_sent
+            try:
+                send_values(self.parent, self.parent_lock, op.number, op.mass, meta, values, wire)
+            except OSError as exc:
+                self.fail(f"the link to the star's root broke while sending ({exc})")
+                return None
+            self.uplink_sent += self.parent.bytes_sent - before
         while not self.result_ready.wait(0.5):
             if self.closed or self.failure is not None:
                 return None
@@ -603,11 +737,13 @@ class Hub:
         meta = {"what": op.what, "n": op.n, **result}
         wire = "f64" if op.what == "count" else self.wire
         for child in [c for c in self.children if c.alive]:
+            values = None if declared else op.acc
+            if child.local is not None:
+                child.local(Kind.START, op.number, total, dict(meta, declared=declared), values)
+                continue
+            assert child.codec is not None
             try:
-                send_values(
-                    child.codec, child.lock, op.number, total, meta,
-                    None if declared else op.acc, wire,
-                )  # fmt: skip
+                send_values(child.codec, child.lock, op.number, total, meta, values, wire)
             except OSError as exc:
                 self.declare_dead(child, f"the {self.name} hub could not send to it ({exc})")
 
@@ -618,14 +754,13 @@ class Hub:
         while not self.closed:
             time.sleep(beat)
             now = time.monotonic()
-            for child in [c for c in self.children if c.alive]:
+            for child in [c for c in self.children if c.alive and c.codec is not None]:
                 if now - child.last_seen > self.ceilings.timeout_s:
                     self.declare_dead(
                         child, f"silent for {now - child.last_seen:.0f} s (heartbeat timeout)"
                     )
                     continue
-                with contextlib.suppress(OSError), child.lock:
-                    child.codec.send(Kind.HEARTBEAT)
+                self._tell(child, Kind.HEARTBEAT, {})
             if self.parent is not None and self.failure is None:
                 if now - self.parent_seen > self.ceilings.timeout_s:
                     self.fail(f"the star's root has been silent for {now - self.parent_seen:.0f} s")

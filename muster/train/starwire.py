@@ -54,8 +54,8 @@ HEAD = struct.Struct(">2sBBQQdQII")  # magic, ver, kind, seq, op, mass, offset, 
 TAG_SIZE = 16
 ZERO_TAG = b"\0" * TAG_SIZE
 MAX_META = 1 << 20
-MAX_BODY = 8 << 20  # a CHUNK's body; contributions travel in chunks of CHUNK_BYTES
-CHUNK_BYTES = 4 << 20
+MAX_BODY = 4 << 20  # a CHUNK's body: contributions travel in chunks of CHUNK_BYTES
+CHUNK_BYTES = MAX_BODY
 UP = b"U"
 DOWN = b"D"
 
