@@ -271,9 +271,11 @@ class StarClient:
                     raise StarRefused(f"a result of {frame.meta.get('n')} values for op {frame.op}")
 
                 def put(offset: int, values: torch.Tensor) -> None:
-                    target[offset : offset + values.numel()].copy_(values)
+                    spot = target[offset : offset + values.numel()]
+                    if spot.data_ptr() != values.data_ptr():  # (else it landed in place)
+                        spot.copy_(values)
 
-                read_values(self.codec, frame, put, self._frame)
+                read_values(self.codec, frame, put, self._frame, target)
             pending.result = Result(
                 frozenset(int(r) for r in frame.meta.get("ranks", [])),
                 frame.mass,

@@ -116,16 +116,30 @@ def read_values(
     start: Frame,
     into: Callable[[int, torch.Tensor], None],
     on_other: Callable[[Frame], None],
+    target: torch.Tensor | None = None,
 ) -> None:
     """Read the CHUNKs announced by ``start`` and hand each to ``into(offset, values)``;
-    heartbeats and other frames between them go to ``on_other``."""
+    heartbeats and other frames between them go to ``on_other``. With ``target`` (of the
+    wire's dtype), chunks land in it directly, no copy (checked before ``into`` sees them;
+    a forged one leaves garbage there, and the op fails)."""
     if start.meta.get("declared"):
         return
     n = int(start.meta["n"])
     dtype = WIRE_DTYPES[str(start.meta["wire"])]
+    direct = target is not None and target.dtype == dtype and target.numel() == n
+    size = torch.empty((), dtype=dtype).element_size()
+
+    def place(kind: Kind, offset: int, length: int) -> memoryview | None:
+        if not direct or kind is not Kind.CHUNK or offset < 0 or length % size:
+            return None
+        if offset + length // size > n:
+            return None
+        assert target is not None
+        return memoryview(target[offset : offset + length // size].view(torch.uint8).numpy().data)
+
     got = 0
     while got < n:
-        frame = codec.read()
+        frame = codec.read(place=place)
         if frame.kind is not Kind.CHUNK:
             on_other(frame)
             continue
@@ -163,6 +177,7 @@ class _Op:
     since: float | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     tainted: bool = False  # a child died mid-contribution: its partial chunks are in the sum
+    filled: bool = False  # some values were summed into ``acc`` (else it holds zeros)
 
 
 class Hub:
@@ -447,6 +462,7 @@ class Hub:
             def add(offset: int, values: torch.Tensor) -> None:
                 with self.acc_lock:
                     acc[offset : offset + values.numel()].add_(values)
+                    op.filled = True
 
             try:
                 read_values(codec, frame, add, lambda f: self._seen(child, f))
@@ -533,7 +549,11 @@ class Hub:
         if values is not None:
             acc = self._acc_of(op)
             with self.acc_lock:
-                acc.add_(values.reshape(-1), alpha=scale)
+                if op.filled:
+                    acc.add_(values.reshape(-1), alpha=scale)
+                else:  # (the first values in: a copy, not an add to zeros)
+                    torch.mul(values.reshape(-1), scale, out=acc)
+                op.filled = True
         self._counted(op, mass, ranks, bool(meta.get("tainted")))
 
     def leave(self, child: _Child) -> None:
@@ -736,16 +756,27 @@ class Hub:
         declared = result.pop("declared", False) or not realized or op.acc is None
         meta = {"what": op.what, "n": op.n, **result}
         wire = "f64" if op.what == "count" else self.wire
-        for child in [c for c in self.children if c.alive]:
-            values = None if declared else op.acc
-            if child.local is not None:
-                child.local(Kind.START, op.number, total, dict(meta, declared=declared), values)
-                continue
+        values = None if declared else op.acc
+
+        def send(child: _Child) -> None:
             assert child.codec is not None
             try:
                 send_values(child.codec, child.lock, op.number, total, meta, values, wire)
             except OSError as exc:
                 self.declare_dead(child, f"the {self.name} hub could not send to it ({exc})")
+
+        live = [c for c in self.children if c.alive]
+        remote = [c for c in live if c.codec is not None]
+        # Links send side by side (the socket writes and the tags let go of the GIL), so a
+        # host's uplink is not kept waiting for its neighbours'.
+        senders = [threading.Thread(target=send, args=(c,), daemon=True) for c in remote]
+        for sender in senders:
+            sender.start()
+        for child in live:  # (copies in this process, while the links send)
+            if child.local is not None:
+                child.local(Kind.START, op.number, total, dict(meta, declared=declared), values)
+        for sender in senders:
+            sender.join()
 
     # -- heartbeats ------------------------------------------------------------------------
 

@@ -178,9 +178,15 @@ class Codec:
         self.sock.sendall(tag)
         self.bytes_sent += HEAD.size + len(packed) + len(body) + TAG_SIZE
 
-    def read(self, *, plain: bool = False) -> Frame:
+    def read(
+        self,
+        *,
+        plain: bool = False,
+        place: Callable[[Kind, int, int], memoryview | None] | None = None,
+    ) -> Frame:
         """Read and check one frame. Its body is a view of this codec's buffer, valid until
-        the next read. Raises StarRefused (bad frame) or StarClosed (link gone)."""
+        the next read, or of what ``place(kind, offset, length)`` returned for it. Raises
+        StarRefused (bad frame) or StarClosed (link gone)."""
         head = memoryview(self._head)
         recv_exact(self.sock, head)
         magic, version, kind, seq, op, mass, offset, meta_n, body_n = HEAD.unpack(head)
@@ -194,7 +200,8 @@ class Codec:
             raise StarRefused(f"unknown frame kind {kind}") from None
         meta_raw = bytearray(meta_n)
         recv_exact(self.sock, memoryview(meta_raw))
-        body = memoryview(self.body)[:body_n]
+        spot = place(kind, offset, body_n) if place is not None and body_n else None
+        body = spot if spot is not None and len(spot) == body_n else memoryview(self.body)[:body_n]
         recv_exact(self.sock, body)
         tag = bytearray(TAG_SIZE)
         recv_exact(self.sock, memoryview(tag))
