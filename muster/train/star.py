@@ -155,16 +155,23 @@ class LocalClient:
                 self.dead[int(rank)] = str(meta.get("reason", ""))
         elif kind is Kind.SHUTDOWN:
             self.stopped = str(meta.get("reason", "the cohort stopped"))
-        elif kind is Kind.START:
+        else:
             pending = self.pending
             if pending is None or number != pending.op:
                 return
-            if values is not None and pending.target is not None:
-                pending.target.copy_(values)
-            pending.result = Result(
-                frozenset(int(r) for r in meta.get("ranks", [])), mass, bool(meta.get("realized"))
-            )
-            pending.done.set()
+            if kind is Kind.START:
+                pending.result = Result(
+                    frozenset(int(r) for r in meta.get("ranks", [])),
+                    mass,
+                    bool(meta.get("realized")),
+                )
+            elif kind is Kind.CHUNK and pending.target is not None:
+                lo = int(meta["offset"])
+                pending.target[lo : lo + values.numel()].copy_(values)
+            elif kind in (Kind.END, Kind.ABORT) and pending.result is not None:
+                if kind is Kind.ABORT:
+                    pending.result.realized = False
+                pending.done.set()
 
     def ask_stop(self, reason: str) -> None:
         self.fold.fail(reason)
@@ -261,11 +268,14 @@ class StarClient:
                 self.dead[int(rank)] = str(frame.meta.get("reason", ""))
         elif frame.kind is Kind.SHUTDOWN:
             self.stopped = str(frame.meta.get("reason", "the cohort stopped"))
+        elif frame.kind is Kind.ABORT:
+            pass  # (an answer aborted before its values began: its START said so already)
         elif frame.kind is Kind.START:
             pending = self.pending
             if pending is None or frame.op != pending.op:
                 raise StarRefused(f"a result for op {frame.op}, which this rank did not send")
             target = pending.target
+            complete = True
             if not frame.meta.get("declared"):
                 if target is None or target.numel() != int(frame.meta["n"]):
                     raise StarRefused(f"a result of {frame.meta.get('n')} values for op {frame.op}")
@@ -275,11 +285,11 @@ class StarClient:
                     if spot.data_ptr() != values.data_ptr():  # (else it landed in place)
                         spot.copy_(values)
 
-                read_values(self.codec, frame, put, self._frame, target)
+                complete = read_values(self.codec, frame, put, self._frame, target)
             pending.result = Result(
                 frozenset(int(r) for r in frame.meta.get("ranks", [])),
                 frame.mass,
-                bool(frame.meta.get("realized")),
+                bool(frame.meta.get("realized")) and complete,
             )
             pending.done.set()
         else:

@@ -46,7 +46,6 @@ from typing import Any
 import torch
 
 from muster.train.starwire import (
-    CHUNK_BYTES,
     DOWN,
     UP,
     Codec,
@@ -61,6 +60,11 @@ from muster.train.starwire import (
 log = logging.getLogger("muster.train.star")
 
 WIRE_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f64": torch.float64}
+CHUNK_ELEMS = 1 << 20  # values per CHUNK (4 MiB of f32): the unit the reduce streams in
+
+
+def chunk_count(n: int) -> int:
+    return max(1, -(-n // CHUNK_ELEMS))
 HANDSHAKE_S = 10.0
 LEFT = "it left (its ElChe closed)"
 
@@ -99,9 +103,8 @@ def send_values(
         codec.send(Kind.START, op=op, mass=mass, meta=meta)
     if values is None:
         return
-    step = max(1, CHUNK_BYTES // torch.empty((), dtype=dtype).element_size())
-    for start in range(0, values.numel(), step):
-        part = values[start : start + step]
+    for start in range(0, values.numel(), CHUNK_ELEMS):
+        part = values[start : start + CHUNK_ELEMS]
         if scale != 1.0:
             part = part.to(torch.float32) * scale  # (one rounding to the wire, not two)
         if part.dtype != dtype:
@@ -117,13 +120,14 @@ def read_values(
     into: Callable[[int, torch.Tensor], None],
     on_other: Callable[[Frame], None],
     target: torch.Tensor | None = None,
-) -> None:
+) -> bool:
     """Read the CHUNKs announced by ``start`` and hand each to ``into(offset, values)``;
     heartbeats and other frames between them go to ``on_other``. With ``target`` (of the
     wire's dtype), chunks land in it directly, no copy (checked before ``into`` sees them;
-    a forged one leaves garbage there, and the op fails)."""
+    a forged one leaves garbage there, and the op fails). False: the sender aborted the op
+    midway (ABORT: a contribution below it was cut off)."""
     if start.meta.get("declared"):
-        return
+        return True
     n = int(start.meta["n"])
     dtype = WIRE_DTYPES[str(start.meta["wire"])]
     direct = target is not None and target.dtype == dtype and target.numel() == n
@@ -140,6 +144,8 @@ def read_values(
     got = 0
     while got < n:
         frame = codec.read(place=place)
+        if frame.kind is Kind.ABORT and frame.op == start.op:
+            return False
         if frame.kind is not Kind.CHUNK:
             on_other(frame)
             continue
@@ -150,6 +156,7 @@ def read_values(
             raise StarRefused("a CHUNK past the announced size")
         into(got, values)
         got += values.numel()
+    return True
 
 
 # An in-process child's receiver: (kind, op, mass, meta, values or None), called by the hub.
@@ -177,7 +184,11 @@ class _Op:
     since: float | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     tainted: bool = False  # a child died mid-contribution: its partial chunks are in the sum
-    filled: bool = False  # some values were summed into ``acc`` (else it holds zeros)
+    started: set[int] = field(default_factory=set)  # children (by id) whose START is in
+    valued: set[int] = field(default_factory=set)  # ... and that send values (not declared)
+    done: set[int] = field(default_factory=set)  # ... whose contribution is all read
+    chunks: list[int] = field(default_factory=list)  # contributions in, per chunk
+    claimed: list[int] = field(default_factory=list)  # ... or being summed in
 
 
 class Hub:
@@ -217,8 +228,8 @@ class Hub:
         self.parent_child: _Child | None = None  # this fold, as the local root's child
         self.parent_lock = threading.Lock()
         self.parent_seen = time.monotonic()
-        self.result_ready = threading.Event()
-        self.result_frame: Frame | None = None
+        self.down: list[_Child] = []  # the children the current answer goes to
+        self.down_done = threading.Event()
         self.uplink_sent = 0  # bytes this fold sent its parent (the benchmark reads it)
         self.listener = socket.create_server((bind, 0), backlog=128)
         self.address = self.listener.getsockname()[:2]
@@ -452,75 +463,124 @@ class Hub:
             return
         assert child.codec is not None
         codec = child.codec
-        ranks = {int(r) for r in frame.meta.get("ranks", sorted(child.ranks))} & child.ranks
-        op = self._turn(child, frame.op, frame.meta, ranks)
-        if op is None:
+        declared = bool(frame.meta.get("declared"))
+        op = self._begin(child, frame.op, frame.mass, frame.meta, declared)
+        if op is None or declared:
             return
-        if not frame.meta.get("declared"):
-            acc = self._acc_of(op)
-
-            def add(offset: int, values: torch.Tensor) -> None:
-                with self.acc_lock:
-                    acc[offset : offset + values.numel()].add_(values)
-                    op.filled = True
-
-            try:
-                read_values(codec, frame, add, lambda f: self._seen(child, f))
-            except BaseException:
-                with self.cv:
-                    op.tainted = True  # part of it is in the sum: this op realizes nothing
-                raise
-        self._counted(op, frame.mass, ranks, bool(frame.meta.get("tainted")))
+        try:
+            complete = read_values(
+                codec, frame, lambda offset, values: self._chunk(op, offset, values),
+                lambda f: self._seen(child, f),
+            )  # fmt: skip
+        except BaseException:
+            self._abort(op, child)  # part of it is in the sum: this op realizes nothing
+            raise
+        if complete:
+            self._end(op, child)
+        else:
+            self._abort(op, child)
 
     def _turn(
         self, child: _Child, number: int, meta: dict[str, Any], ranks: set[int]
     ) -> _Op | None:
-        """Wait until op ``number`` is the one collected (a contribution to the next one
-        waits while this one is answered); None when the cohort is over."""
+        """(Under the lock) Wait until op ``number`` is the one collected (a contribution to
+        the next one waits while this one is answered); None when the cohort is over."""
         what, n = str(meta.get("what")), int(meta.get("n", -1))
-        with self.cv:
-            while self.op.number != number or self.finishing:
-                if self.closed or self.failure is not None:
-                    return None
-                if number < self.op.number:
-                    raise StarRefused(f"a contribution to op {number}, already answered")
-                child.last_seen = time.monotonic()  # (alive: its frames wait for their turn)
-                self.cv.wait(1.0)
-            op = self.op
-            if op.what is None:
-                op.what, op.n, op.since = what, n, time.monotonic()
-            elif (op.what, op.n) != (what, n):
-                reason = (
-                    f"the cohort diverged at op {number}: ranks {sorted(ranks)} sent "
-                    f"{what} of {n} values where ranks {sorted(op.ranks)} sent {op.what} of "
-                    f"{op.n} (every rank must run the same loop on the same model)"
-                )
-                threading.Thread(target=self.fail, args=(reason,), daemon=True).start()
+        while self.op.number != number or self.finishing:
+            if self.closed or self.failure is not None:
                 return None
-            return op
+            if number < self.op.number:
+                raise StarRefused(f"a contribution to op {number}, already answered")
+            child.last_seen = time.monotonic()  # (alive: its frames wait for their turn)
+            self.cv.wait(1.0)
+        op = self.op
+        if op.what is None:
+            op.what, op.n, op.since = what, n, time.monotonic()
+        elif (op.what, op.n) != (what, n):
+            reason = (
+                f"the cohort diverged at op {number}: ranks {sorted(ranks)} sent "
+                f"{what} of {n} values where ranks {sorted(op.ranks)} sent {op.what} of "
+                f"{op.n} (every rank must run the same loop on the same model)"
+            )
+            threading.Thread(target=self.fail, args=(reason,), daemon=True).start()
+            return None
+        return op
 
-    def _acc_of(self, op: _Op) -> torch.Tensor:
-        with self.acc_lock:
-            if op.acc is None:
-                op.acc = self._accumulator(op.n, str(op.what))
-            return op.acc
-
-    def _counted(self, op: _Op, mass: float, ranks: set[int], tainted: bool) -> None:
+    def _begin(
+        self, child: _Child, number: int, mass: float, meta: dict[str, Any], declared: bool
+    ) -> _Op | None:
+        """A contribution starts: its mass and ranks count now (its values follow, chunk by
+        chunk); None when the cohort is over."""
+        ranks = {int(r) for r in meta.get("ranks", sorted(child.ranks))} & child.ranks
         with self.cv:
+            op = self._turn(child, number, meta, ranks)
+            if op is None:
+                return None
             if not math.isfinite(mass) or mass < 0:
                 reason = f"ranks {sorted(ranks)} sent a mass of {mass}"
                 threading.Thread(target=self.fail, args=(reason,), daemon=True).start()
-                return
+                return None
+            op.started.add(id(child))
             op.mass += mass
             op.ranks |= ranks
-            op.tainted |= tainted
+            op.tainted |= bool(meta.get("tainted"))
+            if declared:
+                op.done.add(id(child))
+            else:
+                op.valued.add(id(child))
+                if op.acc is None:
+                    op.acc = self._accumulator(op.n, str(op.what))
+                    op.chunks = [0] * chunk_count(op.n)
+                    op.claimed = [0] * chunk_count(op.n)
             self.cv.notify_all()
+            return op
+
+    def _sum_into(self, op: _Op, offset: int, values: torch.Tensor, scale: float = 1.0) -> None:
+        """Add a chunk into the accumulator; the chunk's first values are copied instead (so
+        the accumulator is never zeroed: every chunk gets every valued contribution)."""
+        assert op.acc is not None
+        spot = op.acc[offset : offset + values.numel()]
+        with self.acc_lock:
+            index = offset // CHUNK_ELEMS
+            first = not op.claimed[index]
+            op.claimed[index] += 1
+            if first:
+                torch.mul(values, scale, out=spot) if scale != 1.0 else spot.copy_(values)
+            else:
+                spot.add_(values, alpha=scale)
+
+    def _chunk(self, op: _Op, offset: int, values: torch.Tensor) -> None:
+        self._sum_into(op, offset, values)
+        with self.cv:
+            op.chunks[offset // CHUNK_ELEMS] += 1
+            self.cv.notify_all()
+
+    def _end(self, op: _Op, child: _Child) -> None:
+        with self.cv:
+            op.done.add(id(child))
+            self.cv.notify_all()
+
+    def _abort(self, op: _Op, child: _Child) -> None:
+        with self.cv:
+            op.tainted = True
+            op.done.add(id(child))
+            self.cv.notify_all()
+
+    def _accumulator(self, n: int, what: str) -> torch.Tensor:
+        """An accumulator of ``n`` values, reused from op to op (one per size: the
+        parameters', the buffers', the count's), so a hub holds O(model) bytes. Not zeroed:
+        each chunk's first contribution is copied in."""
+        dtype = torch.float64 if what == "count" else torch.float32
+        acc = self._accs.get((n, dtype))
+        if acc is None:
+            acc = self._accs[(n, dtype)] = torch.empty(n, dtype=dtype)
+        return acc
 
     # -- children in this process ------------------------------------------------------------
 
     def attach(self, ranks: set[int], deliver: Deliver) -> _Child:
         """A child in this process (the fold's own rank, the root's own host's fold): no
-        socket, no MAC, no copy on the way in; ``deliver`` receives what a link would."""
+        socket, no MAC; ``deliver`` receives what a link would."""
         child = _Child(None, frozenset(ranks), local=deliver)
         with self.cv:
             if not child.ranks <= self.ranks or child.ranks & self.joined:
@@ -540,24 +600,23 @@ class Hub:
         values: torch.Tensor | None,
         scale: float = 1.0,
     ) -> None:
-        """An in-process child's contribution (``values * scale``; None: declared). Waits
-        only for its op's turn; the sum is taken on the caller's thread."""
-        ranks = set(child.ranks) & {int(r) for r in meta.get("ranks", sorted(child.ranks))}
-        op = self._turn(child, number, meta, ranks)
-        if op is None:
+        """An in-process child's whole contribution (``values * scale``; None: declared),
+        summed chunk by chunk on the caller's thread so the answer can stream as it goes."""
+        op = self._begin(child, number, mass, meta, values is None)
+        if op is None or values is None:
             return
-        if values is not None:
-            acc = self._acc_of(op)
-            with self.acc_lock:
-                if op.filled:
-                    acc.add_(values.reshape(-1), alpha=scale)
-                else:  # (the first values in: a copy, not an add to zeros)
-                    torch.mul(values.reshape(-1), scale, out=acc)
-                op.filled = True
-        self._counted(op, mass, ranks, bool(meta.get("tainted")))
+        flat = values.reshape(-1)
+        for lo in range(0, op.n, CHUNK_ELEMS):
+            part = flat[lo : lo + CHUNK_ELEMS]
+            self._sum_into(op, lo, part, scale)
+            with self.cv:
+                op.chunks[lo // CHUNK_ELEMS] += 1
+                self.cv.notify_all()
+        self._end(op, child)
 
     def leave(self, child: _Child) -> None:
         self.declare_dead(child, LEFT)
+
 
     def declare_dead(self, child: _Child, why: str) -> None:
         with self.cv:
@@ -601,25 +660,6 @@ class Hub:
             if not self.closed:
                 self.fail(f"the link to the star's root broke ({exc}): the root's rank died?")
 
-    def _from_local_parent(
-        self, kind: Kind, number: int, mass: float, meta: dict[str, Any], values: Any
-    ) -> None:
-        """What the root in this process tells its local fold (on the root's threads)."""
-        if kind is Kind.DEAD:
-            self._mark_dead({int(r) for r in meta["ranks"]}, str(meta["reason"]))
-        elif kind is Kind.SHUTDOWN:
-            self.fail(str(meta["reason"]))
-        elif kind is Kind.START:
-            op = self.op
-            if number != op.number:
-                raise StarRefused(f"a result for op {number} while op {op.number} is pending")
-            if values is not None:
-                if op.acc is None or op.acc.numel() != values.numel():
-                    op.acc = self._accumulator(values.numel(), str(op.what))
-                op.acc.copy_(values)
-            self.result_frame = Frame(Kind.START, 0, number, mass, 0, meta, memoryview(b""))
-            self.result_ready.set()
-
     def _parent_said(self, frame: Frame) -> None:
         """The root's frames other than results (they may come between a result's chunks)."""
         if frame.kind is Kind.DEAD:
@@ -631,65 +671,206 @@ class Hub:
             raise StarRefused(f"unexpected {frame.kind.name} from the root")
 
     def _result_from_parent(self, frame: Frame) -> None:
+        """The root's answer, passed down chunk by chunk as it arrives."""
         assert self.parent is not None
-        op = self.op
-        if frame.op != op.number:
-            raise StarRefused(f"a result for op {frame.op} while op {op.number} is pending")
-        if not frame.meta.get("declared"):
-            if op.acc is None or op.acc.numel() != int(frame.meta["n"]):
-                op.acc = self._accumulator(int(frame.meta["n"]), str(op.what))
-            acc = op.acc
+        if frame.op != self.op.number:
+            raise StarRefused(f"a result for op {frame.op} while op {self.op.number} is pending")
+        meta = {k: v for k, v in frame.meta.items() if k not in ("wire", "declared")}
+        declared = bool(frame.meta.get("declared"))
+        self._down_start(frame.op, frame.mass, meta, declared)
+        complete = declared or read_values(
+            self.parent, frame, lambda lo, values: self._down_chunk(frame.op, lo, values),
+            self._parent_said,
+        )  # fmt: skip
+        self._down_end(frame.op, aborted=not complete)
 
-            def put(offset: int, values: torch.Tensor) -> None:
-                acc[offset : offset + values.numel()].copy_(values)
+    def _from_local_parent(
+        self, kind: Kind, number: int, mass: float, meta: dict[str, Any], values: Any
+    ) -> None:
+        """What the root in this process tells its local fold (on the root's threads)."""
+        if kind is Kind.DEAD:
+            self._mark_dead({int(r) for r in meta["ranks"]}, str(meta["reason"]))
+        elif kind is Kind.SHUTDOWN:
+            self.fail(str(meta["reason"]))
+        elif kind is Kind.START:
+            self._down_start(number, mass, meta, bool(meta.get("declared")))
+        elif kind is Kind.CHUNK:
+            self._down_chunk(number, int(meta["offset"]), values)
+        elif kind in (Kind.END, Kind.ABORT):
+            self._down_end(number, aborted=kind is Kind.ABORT)
 
-            read_values(self.parent, frame, put, self._parent_said)
-        self.result_frame = frame
-        self.result_ready.set()
+    # -- the answer, down to the children -------------------------------------------------
+
+    def _down_start(self, number: int, mass: float, meta: dict[str, Any], declared: bool) -> None:
+        with self.cv:
+            self.down = [c for c in self.children if c.alive]
+        wire = "f64" if meta.get("what") == "count" else self.wire
+        for child in self.down:
+            if child.local is not None:
+                child.local(Kind.START, number, mass, dict(meta, declared=declared), None)
+                continue
+            full = dict(meta, wire=wire, declared=declared)
+            self._send_down(child, Kind.START, number, mass, full)
+
+    def _down_chunk(self, number: int, offset: int, values: torch.Tensor) -> None:
+        wire = WIRE_DTYPES["f64" if values.dtype == torch.float64 else self.wire]
+        raw = None
+        for child in self.down:
+            if child.local is not None:
+                child.local(Kind.CHUNK, number, 0.0, {"offset": offset}, values)
+                continue
+            if raw is None:  # (converted once, tagged per link)
+                part = values if values.dtype == wire else values.to(wire)
+                raw = memoryview(part.contiguous().view(torch.uint8).numpy().data)
+            self._send_down(child, Kind.CHUNK, number, 0.0, None, offset, raw)
+
+    def _down_end(self, number: int, *, aborted: bool) -> None:
+        for child in self.down:
+            if child.local is not None:
+                child.local(Kind.ABORT if aborted else Kind.END, number, 0.0, {}, None)
+            elif aborted:
+                self._send_down(child, Kind.ABORT, number, 0.0, {})
+        self.down = []
+        self.down_done.set()
+
+    def _send_down(
+        self,
+        child: _Child,
+        kind: Kind,
+        number: int,
+        mass: float,
+        meta: dict[str, Any] | None,
+        offset: int = 0,
+        body: memoryview | bytes = b"",
+    ) -> None:
+        assert child.codec is not None
+        if not child.alive:
+            return
+        try:
+            with child.lock:
+                child.codec.send(kind, op=number, mass=mass, offset=offset, meta=meta, body=body)
+        except OSError as exc:
+            self.declare_dead(child, f"the {self.name} hub could not send to it ({exc})")
 
     # -- the reduce ------------------------------------------------------------------------
 
-    def _accumulator(self, n: int, what: str) -> torch.Tensor:
-        """A zeroed accumulator of ``n`` values, reused from op to op (one per size: the
-        parameters', the buffers', the count's), so a hub holds O(model) bytes."""
-        dtype = torch.float64 if what == "count" else torch.float32
-        acc = self._accs.get((n, dtype))
-        if acc is None:
-            acc = self._accs[(n, dtype)] = torch.zeros(n, dtype=dtype)
-        else:
-            acc.zero_()
-        return acc
-
-    def _complete(self) -> bool:
-        op = self.op
-        live = self.ranks - set(self.dead)
-        return op.what is not None and (op.ranks >= live)
+    def _started(self) -> bool:
+        """(Under the lock) Every live child has started its contribution to the op."""
+        op = self.op  # (by rank: a child that has not joined yet is waited for too)
+        return op.what is not None and (self.ranks - set(self.dead)) <= op.ranks
 
     def _reduce_loop(self) -> None:
         while not self.closed:
             with self.cv:
-                while not self.closed and self.failure is None and not self._complete():
+                while not self.closed and self.failure is None and not self._started():
                     self._stall_check()
                     self.cv.wait(0.5)
                 if self.closed or self.failure is not None:
                     return
                 self.finishing = True
                 op = self.op
+            self.down_done.clear()
             if self.is_root:
-                realized, total = self._divide(op)
-                result: dict[str, Any] = {"ranks": sorted(op.ranks), "realized": realized}
+                self._answer(op)
             else:
-                answer = self._up(op)
-                if answer is None:
+                self._up(op)
+            while not self.down_done.wait(0.5):
+                if self.closed or self.failure is not None:
                     return
-                result = answer
-                total = float(result.pop("mass"))
-                realized = bool(result["realized"])
-            self._fan_out(op, result, total, realized)
-            with self.cv:
+            with self.cv:  # (every contribution read off its link before the next op)
+                while not self.closed and self.failure is None and not self._all_read(op):
+                    self.cv.wait(0.5)
                 self.op = _Op(number=op.number + 1)
                 self.finishing = False
                 self.cv.notify_all()
+
+    def _all_read(self, op: _Op) -> bool:
+        live = {id(c) for c in self.children if c.alive}
+        return (op.valued & live) <= op.done
+
+    def _ready(self, op: _Op, index: int) -> bool:
+        """Wait until chunk ``index`` holds every live contribution; False when the op is
+        tainted (or the cohort over) instead."""
+        with self.cv:
+            while True:
+                if op.tainted or self.closed or self.failure is not None:
+                    return False
+                if op.chunks[index] >= len(op.valued):
+                    return True
+                self.cv.wait(0.5)
+
+    def _answer(self, op: _Op) -> None:
+        """The root: the one divide, chunk by chunk as each is complete, streamed down."""
+        if op.tainted:
+            log.warning("star root: op %d lost a contribution midway: not realized", op.number)
+        if op.what == "count":
+            realized = not op.tainted and op.acc is not None
+        else:
+            realized = (
+                not op.tainted and bool(op.valued) and math.isfinite(op.mass) and op.mass > 0.0
+            )
+        meta = {"what": op.what, "n": op.n, "ranks": sorted(op.ranks), "realized": realized}
+        self._down_start(op.number, op.mass, meta, declared=not realized)
+        if not realized:
+            self._down_end(op.number, aborted=False)
+            return
+        assert op.acc is not None
+        for index, lo in enumerate(range(0, op.n, CHUNK_ELEMS)):
+            if not self._ready(op, index):
+                self._down_end(op.number, aborted=True)
+                return
+            part = op.acc[lo : lo + CHUNK_ELEMS]
+            if op.what != "count":
+                part.mul_(1.0 / op.mass)
+            self._down_chunk(op.number, lo, part)
+        self._down_end(op.number, aborted=False)
+
+    def _up(self, op: _Op) -> None:
+        """A fold: one host frame up (the summed mass and ranks first, then each chunk once
+        all its local contributions are in); the answer comes down on the parent's thread."""
+        declared = op.tainted or not op.valued
+        meta: dict[str, Any] = {"what": op.what, "n": op.n, "ranks": sorted(op.ranks)}
+        if op.tainted:
+            meta["tainted"] = True
+        wire = "f64" if op.what == "count" else self.wire
+        local = self.parent_local
+        if local is not None:
+            assert self.parent_child is not None
+            child = self.parent_child
+            theirs = local._begin(child, op.number, op.mass, meta, declared)
+            if theirs is None or declared:
+                return
+            for index, lo in enumerate(range(0, op.n, CHUNK_ELEMS)):
+                if not self._ready(op, index):
+                    local._abort(theirs, child)
+                    return
+                assert op.acc is not None
+                local._chunk(theirs, lo, op.acc[lo : lo + CHUNK_ELEMS])
+            local._end(theirs, child)
+            return
+        assert self.parent is not None
+        before = self.parent.bytes_sent
+        try:
+            with self.parent_lock:
+                self.parent.send(Kind.START, op=op.number, mass=op.mass,
+                                 meta=dict(meta, wire=wire, declared=declared))  # fmt: skip
+            if not declared:
+                dtype = WIRE_DTYPES[wire]
+                for index, lo in enumerate(range(0, op.n, CHUNK_ELEMS)):
+                    if not self._ready(op, index):
+                        with self.parent_lock:
+                            self.parent.send(Kind.ABORT, op=op.number)
+                        break
+                    assert op.acc is not None
+                    part = op.acc[lo : lo + CHUNK_ELEMS]
+                    if part.dtype != dtype:
+                        part = part.to(dtype)
+                    raw = memoryview(part.contiguous().view(torch.uint8).numpy().data)
+                    with self.parent_lock:
+                        self.parent.send(Kind.CHUNK, op=op.number, offset=lo, body=raw)
+        except OSError as exc:
+            self.fail(f"the link to the star's root broke while sending ({exc})")
+        self.uplink_sent += self.parent.bytes_sent - before
 
     def _stall_check(self) -> None:
         """(Under the lock) Pending past the ceiling with the missing ranks alive: at a fold,
@@ -708,75 +889,6 @@ class Hub:
         threading.Thread(target=self.fail, args=(reason,), daemon=True).start()
         op.since = None  # (told once)
 
-    def _divide(self, op: _Op) -> tuple[bool, float]:
-        """The root's one divide (on this, the reduce thread)."""
-        if op.tainted:
-            log.warning("star root: op %d lost a contribution midway: not realized", op.number)
-            return False, op.mass
-        if op.what == "count":
-            return True, op.mass
-        realized = math.isfinite(op.mass) and op.mass > 0.0 and op.acc is not None
-        if realized and op.acc is not None:
-            op.acc.mul_(1.0 / op.mass)
-        return realized, op.mass
-
-    def _up(self, op: _Op) -> dict[str, Any] | None:
-        """A fold's host frame up, then the root's answer back (into the accumulator)."""
-        self.result_ready.clear()
-        meta = {"what": op.what, "n": op.n, "ranks": sorted(op.ranks), **op.meta}
-        if op.tainted:
-            meta["tainted"] = True
-        values = None if op.tainted else op.acc
-        wire = "f64" if op.what == "count" else self.wire
-        if self.parent_local is not None:
-            assert self.parent_child is not None
-            self.parent_local.contribute(self.parent_child, op.number, op.mass, meta, values)
-        else:
-            assert self.parent is not None
-            before = self.parent.bytes_sent
-            try:
-                send_values(self.parent, self.parent_lock, op.number, op.mass, meta, values, wire)
-            except OSError as exc:
-                self.fail(f"the link to the star's root broke while sending ({exc})")
-                return None
-            self.uplink_sent += self.parent.bytes_sent - before
-        while not self.result_ready.wait(0.5):
-            if self.closed or self.failure is not None:
-                return None
-        frame = self.result_frame
-        assert frame is not None
-        return {
-            "ranks": frame.meta.get("ranks", []),
-            "realized": bool(frame.meta.get("realized")),
-            "mass": frame.mass,
-            "declared": bool(frame.meta.get("declared")),
-        }
-
-    def _fan_out(self, op: _Op, result: dict[str, Any], total: float, realized: bool) -> None:
-        declared = result.pop("declared", False) or not realized or op.acc is None
-        meta = {"what": op.what, "n": op.n, **result}
-        wire = "f64" if op.what == "count" else self.wire
-        values = None if declared else op.acc
-
-        def send(child: _Child) -> None:
-            assert child.codec is not None
-            try:
-                send_values(child.codec, child.lock, op.number, total, meta, values, wire)
-            except OSError as exc:
-                self.declare_dead(child, f"the {self.name} hub could not send to it ({exc})")
-
-        live = [c for c in self.children if c.alive]
-        remote = [c for c in live if c.codec is not None]
-        # Links send side by side (the socket writes and the tags let go of the GIL), so a
-        # host's uplink is not kept waiting for its neighbours'.
-        senders = [threading.Thread(target=send, args=(c,), daemon=True) for c in remote]
-        for sender in senders:
-            sender.start()
-        for child in live:  # (copies in this process, while the links send)
-            if child.local is not None:
-                child.local(Kind.START, op.number, total, dict(meta, declared=declared), values)
-        for sender in senders:
-            sender.join()
 
     # -- heartbeats ------------------------------------------------------------------------
 

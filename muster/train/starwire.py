@@ -54,8 +54,7 @@ HEAD = struct.Struct(">2sBBQQdQII")  # magic, ver, kind, seq, op, mass, offset, 
 TAG_SIZE = 16
 ZERO_TAG = b"\0" * TAG_SIZE
 MAX_META = 1 << 20
-MAX_BODY = 4 << 20  # a CHUNK's body: contributions travel in chunks of CHUNK_BYTES
-CHUNK_BYTES = MAX_BODY
+MAX_BODY = 8 << 20  # a CHUNK's body: 1 Mi values, f64 at most
 UP = b"U"
 DOWN = b"D"
 
@@ -70,6 +69,8 @@ class Kind(IntEnum):
     DEAD = 7  # ranks declared dead (up: a fold saw them go; down: the root tells everyone)
     SHUTDOWN = 8  # the cohort stops with a save: meta {reason}
     BYE = 9  # a rank leaves on purpose (its ElChe closed)
+    ABORT = 10  # the op's values stop here: a contribution below was cut off (not realized)
+    END = 11  # (in-process links only) the answer is complete
 
 
 class StarRefused(MusterError):
