@@ -65,6 +65,8 @@ CHUNK_ELEMS = 1 << 20  # values per CHUNK (4 MiB of f32): the unit the reduce st
 
 def chunk_count(n: int) -> int:
     return max(1, -(-n // CHUNK_ELEMS))
+
+
 HANDSHAKE_S = 10.0
 LEFT = "it left (its ElChe closed)"
 
@@ -617,7 +619,6 @@ class Hub:
     def leave(self, child: _Child) -> None:
         self.declare_dead(child, LEFT)
 
-
     def declare_dead(self, child: _Child, why: str) -> None:
         with self.cv:
             if not child.alive:
@@ -888,7 +889,6 @@ class Hub:
         )
         threading.Thread(target=self.fail, args=(reason,), daemon=True).start()
         op.since = None  # (told once)
-
 
     # -- heartbeats ------------------------------------------------------------------------
 
