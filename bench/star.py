@@ -20,7 +20,6 @@ import argparse
 import json
 import multiprocessing
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -121,18 +120,21 @@ def uplink(local: int) -> float:
 
 
 def _root_process(port_out: Any, result_out: Any, hosts: int, rounds: int) -> None:
+    import psutil
     import torch  # noqa: F401  (imported before the baseline, as in a rank)
 
     from muster.train.starhub import Ceilings, Hub
 
     root = Hub(name="root", salt=SALT, ranks=set(range(hosts)), bind="127.0.0.1",
                ceilings=Ceilings(heartbeat_s=2.0, timeout_s=60.0))  # fmt: skip
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    me = psutil.Process()
+    base = me.memory_info().rss  # (torch imported, the hub listening: what a rank has anyway)
+    peak = base
     port_out.put(root.address[1])
     root.wait_joined()
-    while root.op.number < rounds:
-        time.sleep(0.05)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    while root.op.number < rounds:  # sampled every 2 ms while the reduces run
+        peak = max(peak, me.memory_info().rss)
+        time.sleep(0.002)
     result_out.put(peak - base)
     time.sleep(1.0)
     root.close()

@@ -115,7 +115,7 @@ log = logging.getLogger("muster.train")
 
 
 class AverageBackend(Protocol):
-    """How a round averages the model: the collective backend today, the CPU star later."""
+    """How a round averages the model: CollectiveBackend, or the CPU star (muster.train.star)."""
 
     def round(
         self, model: nn.Module, batches: int, gamma: float, side: torch.Tensor, window: int

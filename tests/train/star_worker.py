@@ -9,7 +9,8 @@ argv: OUT_DIR SCENARIO [ARGS], with SCENARIO one of
   the survivors go on: what the rounds accepted;
 - stall: 2 ranks; rank 1 sleeps past the stall ceiling in its window: both save and stop;
 - resume: 2 ranks, sync; a run straight through, and one saved mid-epoch then resumed;
-- death: 2 ranks; rank 1 raises out of its loop: its death record, rank 0 goes on.
+- death: 2 ranks; rank 1 raises out of its loop: its death record, rank 0 goes on;
+- lost: 2 ranks, the collective backend; rank 1 vanishes: rank 0 stops with a save.
 """
 
 from __future__ import annotations
@@ -209,6 +210,24 @@ def death(rank: int, world: int, save: str) -> dict[str, object]:
     return out
 
 
+def lost(rank: int, world: int, save: str) -> dict[str, object]:
+    """The collective backend: rank 1 leaves mid-epoch; rank 0's next collective fails and
+    it stops with a save."""
+    x, y = data(16 * 32)
+    model = net(rank)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.02)
+    elche = ElChe(model, optimizer, dataset_size=len(x), batch_size=32, mode="cadence",
+                  anchor_batches=2, save=save)  # fmt: skip
+    try:
+        for indices in elche.epoch(0):
+            elche.step(nn.functional.mse_loss(model(x[indices]), y[indices]))
+            if rank == 1 and elche.window == 1:
+                os._exit(0)  # (gone, without a word to its peers)
+    except CohortStopped as exc:
+        return {"stopped": str(exc)}
+    return {"stopped": None}
+
+
 def main() -> None:
     out_dir, scenario, *args = sys.argv[1:]
     dist.init_process_group("gloo")
@@ -220,10 +239,11 @@ def main() -> None:
         "stall": lambda: stall(rank, world, *args),
         "resume": lambda: resume(rank, world, *args),
         "death": lambda: death(rank, world, *args),
+        "lost": lambda: lost(rank, world, *args),
     }
     result = runs[scenario]()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-    if scenario in ("kill", "death"):
+    if scenario in ("kill", "death", "lost"):
         os._exit(0)  # (a peer is gone: the process group's teardown would wait for it)
     dist.destroy_process_group()
 

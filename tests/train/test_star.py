@@ -160,3 +160,14 @@ def test_a_dying_rank_writes_why_and_the_cohort_goes_on(tmp_path: Path) -> None:
     survivor = ranks(tmp_path, 1)[0]
     assert survivor["alive"] == [0]
     assert survivor["windows"] > 2
+
+
+def test_the_collective_backend_stops_with_a_save_when_a_peer_is_lost(tmp_path: Path) -> None:
+    save = tmp_path / "run"
+    codes = nodes(tmp_path, "lost", [1, 1], str(save), survivors=1)
+    assert codes[1] == 0, codes  # (rank 1 left on purpose)
+    seen = ranks(tmp_path, 1)[0]
+    assert "a peer was lost in a collective" in (seen["stopped"] or ""), seen
+    meta = json.loads(Path(f"{save}.rank0.meta.json").read_text())
+    assert "a peer was lost" in meta["reason"]
+    assert Path(f"{save}.rank0.pt").exists()
