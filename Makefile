@@ -47,6 +47,7 @@ bench: setup
 	$(BIN)/python bench/control_plane.py
 	$(BIN)/python bench/net.py
 	$(BIN)/python bench/relay.py
+	$(BIN)/python bench/star.py
 	$(BIN)/python bench/train_hetero.py
 	$(BIN)/python bench/gpu_check.py
 

@@ -7,7 +7,8 @@ Runs under torchrun (and so under muster):
 Rank ``--slow-rank`` sleeps ``slowdown - 1`` times its compute after every batch, as a GPU a
 few times slower would. With ``--mode cadence`` ElChe hands the fast rank proportionally more
 batches per window, so neither rank idles; ``--mode sync`` averages after every batch, as
-DDP does. Rank 0 prints each epoch's held-out loss and the window's batch counts, and writes
+DDP does; ``--backend star --mode async`` averages through the CPU star without waiting at
+the window's end. Rank 0 prints each epoch's held-out loss and the window's batch counts, and writes
 ``result.json`` and ``model.pt`` to ``$MUSTER_OUTPUT_DIR`` (default ``outputs/``).
 """
 
@@ -37,7 +38,11 @@ def make_data(samples: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mode", choices=["sync", "cadence"], default="cadence")
+    parser.add_argument("--mode", choices=["sync", "cadence", "async"], default="cadence")
+    parser.add_argument(
+        "--backend", choices=["collective", "star"], default="collective",
+        help="star: average over TCP through per-host folds (async needs it)",
+    )  # fmt: skip
     parser.add_argument("--gamma", type=float, default=0.5)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--samples", type=int, default=32768)
@@ -60,6 +65,7 @@ def main() -> None:
         batch_size=args.batch_size,
         mode=args.mode,
         gamma=args.gamma,
+        backend=args.backend,
     )
     loss_fn = nn.CrossEntropyLoss()
     slow = rank == args.slow_rank
@@ -90,6 +96,7 @@ def main() -> None:
         out.mkdir(parents=True, exist_ok=True)
         torch.save(model.state_dict(), out / "model.pt")
         (out / "result.json").write_text(json.dumps({"mode": args.mode, "epochs": history}))
+    elche.close()  # (the star: a rank that hosts a hub serves its peers until they leave)
     dist.barrier()  # no rank tears the group down while a peer still uses it
     dist.destroy_process_group()
 

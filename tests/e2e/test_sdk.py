@@ -60,6 +60,24 @@ def test_launch_streams_rank_lines_and_returns_the_result(cluster: LocalCluster)
     client.close()
 
 
+def test_the_star_backend_trains_under_muster(cluster: LocalCluster) -> None:
+    """muster.train's CPU star in async mode on a 2-node gang: the root on node 0's
+    MASTER_ADDR, one fold per node (torchrun's GROUP_RANK), the job's outputs collected."""
+    from muster import launch
+
+    printed: list[str] = []
+    result = launch(
+        ROOT / "examples/hetero/job-star.yaml",
+        controller=cluster.url,
+        token=cluster.token(),
+        output=printed.append,
+        timeout=300,
+    )
+    assert result.ok, printed[-20:]
+    assert any("[rank0] epoch 1 held-out loss" in line for line in printed), printed[-20:]
+    assert "node0/result.json" in {a["path"] for a in result.artifacts}
+
+
 def test_a_failed_job_raises_job_failed_with_the_blamed_ranks_code(
     cluster: LocalCluster, tmp_path: Path
 ) -> None:
