@@ -6,8 +6,9 @@ Per rank and save prefix ``P`` (seed 002, view 7):
   round, the live ranks, the RNG);
 - ``P.rank<N>.meta.json``: why and when it was written (``reason``), and where (window,
   epoch, mode, backend, world), so a person or a resume can tell a stall from a request;
-- ``P.rank<N>.death.json``: written instead by a rank that dies (an exception out of its
-  training loop, or SIGTERM): why, where, and the exception's last lines.
+- ``P.rank<N>.death.json``: written instead by a rank that dies of an exception out of its
+  training loop (not by one killed with a signal: SIGKILL, or torchrun's SIGTERM, leave
+  nothing): why, where, and the exception's last lines.
 
 Files are written to a temporary name and renamed, so a reader never sees half a file.
 """
@@ -59,7 +60,7 @@ def load(prefix: str | Path, rank: int) -> dict[str, Any]:
             f"no checkpoint for rank {rank} at {checkpoint}: resume with the prefix the run "
             "saved to (ElChe(save=...)), on the same number of ranks"
         )
-    state: dict[str, Any] = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    state: dict[str, Any] = torch.load(checkpoint, map_location="cpu", weights_only=True)
     return state
 
 

@@ -74,6 +74,7 @@ import contextlib
 import logging
 import math
 import os
+import re
 import sys
 import time
 import weakref
@@ -286,6 +287,7 @@ class ElChe:
         self._inflight: deque[AsyncRound] = deque()  # async: rounds sent, not yet applied
         self._due: list[tuple[int, list[WindowSummary], set[int]]] = []  # async, to record
         self._stopping: str | None = None
+        self._closed = False
         if resume is not None:
             self._resume(Path(resume))
         else:
@@ -502,10 +504,13 @@ class ElChe:
         except CohortLost:
             raise
         except RuntimeError as exc:
-            if self.star is not None or "CohortDiverged" in type(exc).__name__:
-                raise
+            if self.star is not None or not _PEER_LOST.search(str(exc)):
+                raise  # (an OOM, an optimizer's own error: not a lost peer)
             # (gloo: "Connection closed by peer"; NCCL: a watchdog abort) A peer is gone and
-            # the collective backend cannot re-form without it: stop with a save.
+            # the collective backend cannot re-form without it: stop with a save. A loss in
+            # the middle of PARAM or BUFFER leaves this rank's tensors pre-scaled or partly
+            # summed: the save says where it stopped, and the last round-boundary save (or
+            # the consensus of the others) is the one to resume from then.
             reason = f"a peer was lost in a collective ({str(exc).splitlines()[0][:200]})"
             self._save_now(reason)
             raise CohortStopped(reason) from exc
@@ -545,6 +550,8 @@ class ElChe:
         it at the same point of the loop to make a resumable set); None without a prefix."""
         if self.save_prefix is None:
             return None
+        if self._stopping is None and self._inflight:
+            self._drain()  # (async, by hand: the rounds in flight land first)
         where = {
             "reason": reason,
             "window": self.window,
@@ -567,10 +574,13 @@ class ElChe:
             log.warning("rank %d: %s; nothing saved (no save prefix: ElChe(save=...))",
                         self.rank, reason)  # fmt: skip
             return
-        self.save(reason)
+        try:
+            self.save(reason)
+        except Exception:  # (the stop's own reason goes on up, not the save's failure)
+            log.exception("rank %d: the save for %r failed", self.rank, reason)
 
     def _died(self, error: BaseException) -> None:
-        if isinstance(error, CohortStopped) or self.save_prefix is None:
+        if isinstance(error, CohortStopped) or self.save_prefix is None or self._closed:
             return
         if getattr(error, "_muster_death_written", False):
             return
@@ -624,12 +634,23 @@ class ElChe:
                 self._round(summary)
 
     def close(self) -> None:
-        """Leave the cohort (the star's links and hubs); the process group stays the caller's."""
+        """Leave the cohort (the star's links and hubs); the process group stays the caller's.
+        Rounds still in flight (async) are waited for first."""
+        if self._closed:
+            return
+        self._closed = True
+        _LIVE.discard(self)
         if self.star is not None:
+            with contextlib.suppress(CohortStopped, CohortLost):
+                self._drain()
             self.star.close()
 
 
 _LIVE: weakref.WeakSet[ElChe] = weakref.WeakSet()
+# What gloo and NCCL say when a peer is gone mid-collective.
+_PEER_LOST = re.compile(
+    r"Connection (closed|reset)|Broken pipe|peer|NCCL|[Tt]imed out|ProcessGroup|Gloo|gloo"
+)
 
 
 def _watch_for_death(elche: ElChe) -> None:

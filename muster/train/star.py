@@ -195,7 +195,7 @@ class StarClient:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.codec = Codec(sock, send_dir=UP, recv_dir=DOWN)
         client_handshake(self.codec, salt, [rank])
-        sock.settimeout(None)
+        sock.settimeout(ceilings.timeout_s)  # (a wedged fold cannot hold a send for ever)
         self.lock = threading.Lock()
         self.op = 0
         self.pending: Pending | None = None
@@ -300,7 +300,7 @@ class StarClient:
             time.sleep(self.ceilings.heartbeat_s)
             if self.closed:
                 return
-            if time.monotonic() - self.seen > self.ceilings.timeout_s:
+            if time.monotonic() - max(self.seen, self.codec.last_read) > self.ceilings.timeout_s:
                 self._lose(f"this host's fold has been silent for {self.ceilings.timeout_s:.0f} s")
                 continue
             with contextlib.suppress(OSError), self.lock:
@@ -317,8 +317,7 @@ class StarClient:
         with contextlib.suppress(OSError), self.lock:
             self.codec.send(Kind.BYE)
         self.closed = True
-        with contextlib.suppress(OSError):
-            self.codec.sock.close()
+        self.codec.cut()
 
 
 @dataclass
@@ -492,6 +491,7 @@ class StarBackend:
         self.buffers = _Flat.of(_floating(model.buffers()), wire)
         self.result = torch.empty(max(self.params.n, self.buffers.n, 1), dtype=torch.float32)
         self.alive = set(range(self.world))
+        self._last_async: AsyncRound | None = None
 
     @property
     def dead(self) -> dict[int, str]:
@@ -578,6 +578,11 @@ class StarBackend:
         values = torch.cat([flat.snapshot().to(torch.float32), reached])
         target = torch.empty_like(values)
         result = self.client.submit("grad", values, values.numel(), 1.0, target).wait()
+        if not result.realized:
+            # A contribution was cut off midway (a rank died in it): no rank steps on this
+            # batch, so the models stay one (each stepping on its own gradient would not).
+            world = max(1, len(among))
+            return RoundResult(False, 2, counts, 1.0 / world, world, None)
         if result.realized:
             n = flat.n
             used = target[n:] > 0
@@ -619,6 +624,7 @@ class StarBackend:
         snap = self.params.snapshot().to(torch.float32, copy=True)
         snap_buffers = self.buffers.snapshot().to(torch.float32, copy=True)
         pending = AsyncRound(self, window, batches, gamma, head, side, snap, snap_buffers)
+        pending.previous, self._last_async = self._last_async, pending
         pending.thread.start()
         return pending
 
@@ -644,6 +650,7 @@ class AsyncRound:
     consensus: torch.Tensor | None = None
     consensus_buffers: torch.Tensor | None = None
     error: BaseException | None = None
+    previous: AsyncRound | None = None  # (rounds run one after another: one op at a time)
     done: threading.Event = field(default_factory=threading.Event)
     thread: threading.Thread = field(init=False)
 
@@ -663,6 +670,12 @@ class AsyncRound:
 
     def _rounds(self) -> None:
         backend, client, world = self.backend, self.backend.client, self.backend.world
+        previous, self.previous = self.previous, None
+        if previous is not None:  # (lookahead > 1: this round's ops follow the last one's)
+            while not previous.done.wait(0.2):
+                client.check()
+            if previous.error is not None:
+                raise previous.error
         values = torch.tensor(self.head, dtype=torch.float64)
         target = torch.empty_like(values)
         result = client.submit("count", values, values.numel(), 1.0, target, wire="f64").wait()

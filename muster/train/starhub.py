@@ -68,6 +68,7 @@ def chunk_count(n: int) -> int:
 
 
 HANDSHAKE_S = 10.0
+MAX_ADMITTING = 64  # handshakes in progress at once; more connections are refused at once
 LEFT = "it left (its ElChe closed)"
 
 
@@ -236,6 +237,7 @@ class Hub:
         self.listener = socket.create_server((bind, 0), backlog=128)
         self.address = self.listener.getsockname()[:2]
         self._last_join = time.monotonic()
+        self._admitting = 0
         self._threads: list[threading.Thread] = []
         if isinstance(parent, Hub):
             self.parent_local = parent
@@ -340,11 +342,9 @@ class Hub:
         self._stop_listening()
         for child in self.children:
             if child.codec is not None:
-                with contextlib.suppress(OSError):
-                    child.codec.sock.close()
+                child.codec.cut()
         if self.parent is not None:
-            with contextlib.suppress(OSError):
-                self.parent.sock.close()
+            self.parent.cut()
 
     # -- rendezvous ------------------------------------------------------------------------
 
@@ -359,9 +359,21 @@ class Hub:
             ).start()
 
     def _admit(self, sock: socket.socket) -> None:
-        sock.settimeout(HANDSHAKE_S)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         codec = Codec(sock, send_dir=DOWN, recv_dir=UP)
+        with self.cv:
+            crowded = self._admitting >= MAX_ADMITTING
+            if not crowded:
+                self._admitting += 1
+        if crowded:  # (a flood of connections gets no thread and no buffer each)
+            self._refused(sock, StarRefused("too many handshakes at once"))
+            return
+        # The whole handshake has one deadline (not one per read: a byte every few seconds
+        # would otherwise hold a connection for ever).
+        sock.settimeout(HANDSHAKE_S)
+        deadline = threading.Timer(HANDSHAKE_S, codec.cut)
+        deadline.daemon = True
+        deadline.start()
 
         def admit(asked: list[int]) -> None:
             wanted = frozenset(asked)
@@ -374,30 +386,36 @@ class Hub:
             with self.cv:
                 if ranks & self.joined:
                     raise StarRefused(f"ranks {sorted(ranks)} joined already")
-                sock.settimeout(None)
+                sock.settimeout(self.ceilings.timeout_s)  # (sends and reads: bounded too)
                 child = _Child(codec, ranks)
                 self.children.append(child)
                 self.joined |= ranks
                 self._last_join = time.monotonic()
                 self.cv.notify_all()
         except (StarRefused, StarClosed, OSError, ValueError) as exc:
-            sock.close()
-            with self.cv:
-                self.rejected += 1
-                rejected = self.rejected
-            if rejected in (1, 10, 100, 1000):
-                log.warning(
-                    "star %s: refused a connection (%d so far): %s", self.name, rejected, exc
-                )
-            if rejected >= self.ceilings.max_rejected:
-                self._stop_listening()
-                self.fail(
-                    f"the star's {self.name} listener refused {rejected} connections before "
-                    "their handshake (another run's ranks, or someone probing the port): "
-                    "the cohort is aborted"
-                )
+            self._refused(sock, exc)
             return
+        finally:
+            deadline.cancel()
+            with self.cv:
+                self._admitting -= 1
         self._spawn(self._read_child, f"child{min(ranks)}", child)
+
+    def _refused(self, sock: socket.socket, exc: Exception) -> None:
+        with contextlib.suppress(OSError):
+            sock.close()
+        with self.cv:
+            self.rejected += 1
+            rejected = self.rejected
+        if rejected in (1, 10, 100, 1000):
+            log.warning("star %s: refused a connection (%d so far): %s", self.name, rejected, exc)
+        if rejected >= self.ceilings.max_rejected:
+            self._stop_listening()
+            self.fail(
+                f"the star's {self.name} listener refused {rejected} connections before "
+                "their handshake (another run's ranks, or someone probing the port): "
+                "the cohort is aborted"
+            )
 
     def wait_joined(self) -> None:
         """Until every rank of this hub has joined; raises CohortLost-worthy StarClosed when
@@ -425,7 +443,7 @@ class Hub:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         codec = Codec(sock, send_dir=UP, recv_dir=DOWN)
         client_handshake(codec, self.salt, sorted(self.ranks))
-        sock.settimeout(None)
+        sock.settimeout(self.ceilings.timeout_s)
         self.parent = codec
         self.parent_seen = time.monotonic()
         self._spawn(self._read_parent, "parent")
@@ -438,10 +456,15 @@ class Hub:
             while not self.closed:
                 frame = child.codec.read()
                 self._from_child(child, frame)
-        except (StarRefused, StarClosed, OSError) as exc:
+        except (StarRefused, StarClosed, OSError, KeyError, TypeError, ValueError) as exc:
             if self.closed:
                 return
-            why = "left" if isinstance(exc, StarClosed) else f"sent a bad frame ({exc})"
+            if isinstance(exc, TimeoutError):  # (the link's own read deadline)
+                self.declare_dead(
+                    child, f"silent for {self.ceilings.timeout_s:.0f} s (heartbeat timeout)"
+                )
+                return
+            why = "left" if isinstance(exc, StarClosed) else f"sent a bad frame ({exc!r})"
             self.declare_dead(child, f"its link to the {self.name} hub closed ({why})")
 
     def _seen(self, child: _Child, frame: Frame) -> None:
@@ -459,6 +482,8 @@ class Hub:
             raise StarRefused(f"unexpected {frame.kind.name} between contributions")
 
     def _from_child(self, child: _Child, frame: Frame) -> None:
+        if not child.alive:  # (declared dead: nothing more of it is summed)
+            raise StarClosed("declared dead")
         child.last_seen = time.monotonic()
         if frame.kind is not Kind.START:
             self._seen(child, frame)
@@ -522,6 +547,8 @@ class Hub:
                 reason = f"ranks {sorted(ranks)} sent a mass of {mass}"
                 threading.Thread(target=self.fail, args=(reason,), daemon=True).start()
                 return None
+            if id(child) in op.started:
+                raise StarRefused(f"a second contribution to op {number} from the same link")
             op.started.add(id(child))
             op.mass += mass
             op.ranks |= ranks
@@ -624,10 +651,12 @@ class Hub:
             if not child.alive:
                 return
             child.alive = False
+            op = self.op
+            if id(child) in op.valued and id(child) not in op.done:
+                op.tainted = True  # (part of its values may be in the sum: void this op)
             self.cv.notify_all()
         if child.codec is not None:
-            with contextlib.suppress(OSError):
-                child.codec.sock.close()
+            child.codec.cut()
         self._mark_dead(set(child.ranks), why)
 
     def _mark_dead(self, ranks: set[int], why: str) -> None:
@@ -823,6 +852,8 @@ class Hub:
             part = op.acc[lo : lo + CHUNK_ELEMS]
             if op.what != "count":
                 part.mul_(1.0 / op.mass)
+                if self.wire == "bf16":  # (rounded once, here: every rank gets the same)
+                    part.copy_(part.to(torch.bfloat16))
             self._down_chunk(op.number, lo, part)
         self._down_end(op.number, aborted=False)
 
@@ -898,15 +929,16 @@ class Hub:
             time.sleep(beat)
             now = time.monotonic()
             for child in [c for c in self.children if c.alive and c.codec is not None]:
-                if now - child.last_seen > self.ceilings.timeout_s:
-                    self.declare_dead(
-                        child, f"silent for {now - child.last_seen:.0f} s (heartbeat timeout)"
-                    )
+                assert child.codec is not None
+                seen = max(child.last_seen, child.codec.last_read)  # (chunks count too)
+                if now - seen > self.ceilings.timeout_s:
+                    self.declare_dead(child, f"silent for {now - seen:.0f} s (heartbeat timeout)")
                     continue
                 self._tell(child, Kind.HEARTBEAT, {})
             if self.parent is not None and self.failure is None:
-                if now - self.parent_seen > self.ceilings.timeout_s:
-                    self.fail(f"the star's root has been silent for {now - self.parent_seen:.0f} s")
+                seen = max(self.parent_seen, self.parent.last_read)
+                if now - seen > self.ceilings.timeout_s:
+                    self.fail(f"the star's root has been silent for {now - seen:.0f} s")
                     continue
                 with contextlib.suppress(OSError), self.parent_lock:
                     self.parent.send(Kind.HEARTBEAT)

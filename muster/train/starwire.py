@@ -33,10 +33,12 @@ rejected pre-auth frame.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import secrets
 import socket
 import struct
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
@@ -54,6 +56,7 @@ HEAD = struct.Struct(">2sBBQQdQII")  # magic, ver, kind, seq, op, mass, offset, 
 TAG_SIZE = 16
 ZERO_TAG = b"\0" * TAG_SIZE
 MAX_META = 1 << 20
+MAX_PLAIN_META = 4096  # a handshake frame's metadata; it carries no body
 MAX_BODY = 8 << 20  # a CHUNK's body: 1 Mi values, f64 at most
 UP = b"U"
 DOWN = b"D"
@@ -135,9 +138,18 @@ class Codec:
         self.send_seq = 0
         self.recv_seq = 0
         self._head = bytearray(HEAD.size)
-        self.body = bytearray(MAX_BODY)
+        self.body = bytearray(0)  # (MAX_BODY, once the link is authenticated)
+        self.last_read = time.monotonic()  # when the last whole frame arrived
         self.bytes_sent = 0
         self.bytes_received = 0
+
+    def cut(self) -> None:
+        """End the link for good: a reader blocked in it wakes up, and the peer sees it go
+        (a bare close from another thread does neither)."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError):
+            self.sock.close()
 
     def _tagger(self, direction: bytes, seq: int) -> Poly1305 | None:
         if self.key is None:
@@ -195,6 +207,8 @@ class Codec:
             raise StarRefused("not a star frame (wrong magic or version)")
         if meta_n > MAX_META or body_n > MAX_BODY:
             raise StarRefused(f"a frame announces {meta_n} + {body_n} bytes, past the limits")
+        if (plain or self.key is None) and (meta_n > MAX_PLAIN_META or body_n):
+            raise StarRefused("a handshake frame past its size (no body, 4 KiB of metadata)")
         try:
             kind = Kind(kind)
         except ValueError:
@@ -202,11 +216,16 @@ class Codec:
         meta_raw = bytearray(meta_n)
         recv_exact(self.sock, memoryview(meta_raw))
         spot = place(kind, offset, body_n) if place is not None and body_n else None
-        body = spot if spot is not None and len(spot) == body_n else memoryview(self.body)[:body_n]
+        if spot is None or len(spot) != body_n:
+            if len(self.body) < body_n:
+                self.body = bytearray(MAX_BODY)
+            spot = memoryview(self.body)[:body_n]
+        body = spot
         recv_exact(self.sock, body)
         tag = bytearray(TAG_SIZE)
         recv_exact(self.sock, memoryview(tag))
         self.bytes_received += HEAD.size + meta_n + body_n + TAG_SIZE
+        self.last_read = time.monotonic()
         if plain:
             if seq != 0 or kind not in (Kind.CHALLENGE, Kind.HELLO):
                 raise StarRefused(f"{kind.name} before the handshake finished")

@@ -221,3 +221,35 @@ def test_a_contribution_cut_midway_realizes_nothing(root: Hub) -> None:
     assert result.realized
     assert float(out[0]) == 2.0
     a.close()
+
+
+def test_a_handshake_that_dribbles_is_cut_at_its_deadline(
+    root: Hub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import muster.train.starhub as starhub
+
+    monkeypatch.setattr(starhub, "HANDSHAKE_S", 1.0)
+    with socket.create_connection(root.address, timeout=5) as sock:
+        started = time.monotonic()
+        with contextlib.suppress(OSError):
+            for _ in range(30):  # a byte every 0.2 s: each read alone would be in time
+                sock.sendall(b"M")
+                time.sleep(0.2)
+        assert time.monotonic() - started < 4
+    until(lambda: root.rejected == 1)
+
+
+def test_a_rank_declared_dead_is_cut_off_and_never_summed(root: Hub) -> None:
+    a = StarClient(0, root.address, SALT, QUICK, "f32")
+    late = raw(root, [1])
+    root.wait_joined()
+    until(lambda: 1 in root.dead, timeout=QUICK.timeout_s + 5)  # (it sent no heartbeat)
+    with contextlib.suppress(OSError):  # its link is gone: nothing it sends is read
+        late.send(Kind.START, op=0, mass=1.0, meta={"what": "param", "n": 1, "ranks": [1],
+                                                    "wire": "f32", "declared": False})  # fmt: skip
+        late.send(Kind.CHUNK, op=0, body=memoryview(torch.tensor([100.0]).numpy().data))
+    out = torch.empty(1)
+    result = a.submit("param", torch.tensor([3.0]), 1, 1.0, out).wait()
+    assert result.ranks == frozenset({0})
+    assert float(out[0]) == 3.0
+    a.close()
