@@ -215,7 +215,7 @@ class Hub:
         self.wire = wire
         self.parent_address = parent
         self.cv = threading.Condition()
-        self.acc_lock = threading.Lock()
+        self._chunk_locks = [threading.Lock() for _ in range(16)]  # by chunk index
         self._accs: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         self.children: list[_Child] = []
         self.joined: set[int] = set()
@@ -569,8 +569,8 @@ class Hub:
         the accumulator is never zeroed: every chunk gets every valued contribution)."""
         assert op.acc is not None
         spot = op.acc[offset : offset + values.numel()]
-        with self.acc_lock:
-            index = offset // CHUNK_ELEMS
+        index = offset // CHUNK_ELEMS
+        with self._chunk_locks[index % len(self._chunk_locks)]:  # (other chunks in parallel)
             first = not op.claimed[index]
             op.claimed[index] += 1
             if first:

@@ -253,3 +253,31 @@ def test_a_rank_declared_dead_is_cut_off_and_never_summed(root: Hub) -> None:
     assert result.ranks == frozenset({0})
     assert float(out[0]) == 3.0
     a.close()
+
+
+def test_a_bf16_wire_gives_every_rank_the_same_answer() -> None:
+    """Half the bytes on the wire, sums in f32, and one rounding at the root: every rank
+    gets the same bits (in-process ranks too: the root rounds before any delivery)."""
+    hub = Hub(name="root", salt=SALT, ranks={0, 1}, bind="127.0.0.1", ceilings=QUICK,
+              wire="bf16")  # fmt: skip
+    try:
+        a = StarClient(0, hub.address, SALT, QUICK, "bf16")
+        b = StarClient(1, hub.address, SALT, QUICK, "bf16")
+        hub.wait_joined()
+        n = (1 << 20) + 5  # (two chunks)
+        x, y = torch.randn(n), torch.randn(n)
+        out_a, out_b = torch.empty(n), torch.empty(n)
+        pa = a.submit("param", x, n, 0.5, out_a, scale=0.5)
+        pb = b.submit("param", y, n, 0.5, out_b, scale=0.5)
+        assert pa.wait().realized
+        assert pb.wait().realized
+        assert torch.equal(out_a, out_b)
+        exact = (x + y) / 2
+        assert torch.allclose(out_a, exact, rtol=2e-2, atol=2e-2)  # (bf16: 8 bits of mantissa)
+        assert torch.equal(out_a, out_a.to(torch.bfloat16).float())  # rounded to bf16
+        sent = a.codec.bytes_sent
+        assert sent < n * 2 * 1.01  # half of f32's bytes
+        a.close()
+        b.close()
+    finally:
+        hub.close()
