@@ -41,6 +41,13 @@ On NCCL the scale is fused into the collective (premultiply-sum), except for bf1
 torch bug makes premul-sum return zeros for bf16 with power-of-two factors); there, and on
 gloo, the rank pre-scales and the collective sums.
 
+A cohort that survives a lost peer (``muster.train.reform``) runs these functions over a
+smaller process group: ``seat`` then names this rank's place in the *original* cohort (its
+logical rank, the original world and the members still in it), so COUNT's slots, the shares
+and the sampler keep their meaning, and a member's absence is a zero count. ``progress``
+records how far a round got (so a failure can be undone) and closes the round with one more
+tiny all-reduce, DONE: a rank past DONE knows every rank finished the round's data.
+
 ``MUSTER_TRAIN_DEBUG=1`` prints a line on stderr as each collective is entered and left,
 naming the window, the collective and its size, so a stuck rank shows where it is parked.
 """
@@ -65,6 +72,41 @@ from muster.train.mass import MAX_GAMMA, gamma_shares, mover_mass
 BUCKET_BYTES = 25 * 1024 * 1024
 HEAD_SLOTS = 5  # COUNT's slots per rank: batches, window, layout, in-step, missing gradients
 Trace = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Seat:
+    """This rank in the original cohort: its logical rank, the original world, and the
+    logical ranks of the members the current process group holds (in group-rank order)."""
+
+    rank: int
+    world: int
+    members: tuple[int, ...]
+
+
+@dataclass
+class Progress:
+    """How far a round got on this rank: ``stage`` is "count" (nothing of the model touched),
+    "data" (tensors pre-scaled or partly summed), "stepped" (sync: the optimizer stepped on
+    the cohort's gradient) or "closing" (every data collective done: the round's result is
+    whole on this rank; only DONE is left)."""
+
+    stage: str = "count"
+    counts: tuple[int, ...] | None = None  # every rank's batches, once COUNT is through
+    collectives: int = 0
+    wait: Callable[[Any], None] | None = None  # waits for each collective's work (or raises)
+
+
+def all_reduce(tensor: torch.Tensor, op: Any, group: Any, progress: Progress | None) -> None:
+    """dist.all_reduce; with a ``progress`` that has a waiter, the waiter waits for it (and
+    may give up on it: the re-forming cohort's ranks are told to leave their collective)."""
+    if progress is None or progress.wait is None:
+        dist.all_reduce(tensor, op=op, group=group)
+        return
+    progress.wait(dist.all_reduce(tensor, op=op, group=group, async_op=True))
+
+
+STAGES = ("count", "data", "stepped", "closing")
 
 
 @dataclass(frozen=True)
@@ -185,6 +227,7 @@ def weighted_sum(
     sums: _Sums | None = None,
     trace: Trace | None = None,
     label: str = "REDUCE",
+    progress: Progress | None = None,
 ) -> int:
     """Replace every tensor, in place, by the cohort's sum of factor-scaled copies; returns
     the number of collectives (buckets). With ``sums``, also accumulates the squared norms of
@@ -216,7 +259,7 @@ def weighted_sum(
             megabytes = n * buf.element_size() / 2**20
             name = str(kind[1]).removeprefix("torch.")
             trace(f"enter {label} {index + 1}/{len(buckets)} ({name}, {megabytes:.2f} MiB)")
-        dist.all_reduce(buf, op=op, group=group)
+        all_reduce(buf, op, group, progress)
         if trace is not None:
             trace(f"exit {label} {index + 1}/{len(buckets)}")
         with torch.no_grad():
@@ -250,6 +293,7 @@ def weighted_sum(
                 sums=sums,
                 trace=trace,
                 label=label,
+                progress=progress,
             )
             with torch.no_grad():
                 tensor.copy_(copy)
@@ -355,6 +399,8 @@ def _count(
     group: Any,
     trace: Trace | None,
     missing: int = 0,
+    seat: Seat | None = None,
+    progress: Progress | None = None,
 ) -> _Count:
     """COUNT: every rank's batches, window, layout and in-step flag, and the summed ``side``;
     raises CohortDiverged on every rank when the cohort is out of step. A rank in ElChe's
@@ -362,6 +408,9 @@ def _count(
     some ranks call ``ElChe.step`` is caught here too."""
     backend = str(dist.get_backend(group))
     rank, world = dist.get_rank(group), dist.get_world_size(group)
+    among = None
+    if seat is not None:
+        rank, world, among = seat.rank, seat.world, set(seat.members)
     device = torch.device("cpu")
     if backend == "nccl":  # NCCL reduces CUDA tensors: the model's GPU, else the current one
         first = params[0].device if params else None
@@ -371,10 +420,26 @@ def _count(
     where = "step" if in_step else "round"
     if trace is not None:
         trace(f"enter COUNT (window {window}, {where})")
-    dist.all_reduce(count, op=dist.ReduceOp.SUM, group=group)
+    all_reduce(count, dist.ReduceOp.SUM, group, progress)
     if trace is not None:
         trace(f"exit COUNT (window {window}, {where})")
-    return read_count(count.tolist(), rank, world, side)
+    return read_count(count.tolist(), rank, world, side, among)
+
+
+def _close(group: Any, progress: Progress | None, trace: Trace | None) -> None:
+    """DONE: one element all-reduced once the round's data is whole on this rank."""
+    if progress is None:
+        return
+    progress.stage = "closing"
+    done = torch.ones(1, dtype=torch.float32)
+    if str(dist.get_backend(group)) == "nccl":
+        done = done.cuda()
+    if trace is not None:
+        trace("enter DONE")
+    all_reduce(done, dist.ReduceOp.SUM, group, progress)
+    if trace is not None:
+        trace("exit DONE")
+    progress.collectives += 1
 
 
 def sync_step(
@@ -386,6 +451,8 @@ def sync_step(
     window: int,
     bucket_bytes: int = BUCKET_BYTES,
     trace: Trace | None = None,
+    seat: Seat | None = None,
+    progress: Progress | None = None,
 ) -> RoundResult:
     """ElChe's sync round, inside the step: COUNT (the cohort is in step: the same window
     and layout, every rank stepping through ElChe), then GRAD (every gradient replaced by
@@ -408,8 +475,11 @@ def sync_step(
                 "sparse=True)) cannot be: make it dense, or use mode='cadence'"
             )
     missing = sum(1 for p in trainable if p.grad is None)
-    counted = _count(params, buffers, 1, window, True, side, group, trace, missing)
+    counted = _count(params, buffers, 1, window, True, side, group, trace, missing, seat,
+                     progress)  # fmt: skip
     collectives = 1
+    if progress is not None:
+        progress.counts, progress.stage = counted.counts, "data"
     used = [True] * len(trainable)
     if any(counted.missing):  # which parameters some rank's loss reached
         mask = torch.tensor(
@@ -419,7 +489,7 @@ def sync_step(
             mask = mask.to(trainable[0].device)
         if trace is not None:
             trace(f"enter USED (window {window})")
-        dist.all_reduce(mask, op=dist.ReduceOp.SUM, group=group)
+        all_reduce(mask, dist.ReduceOp.SUM, group, progress)
         if trace is not None:
             trace(f"exit USED (window {window})")
         collectives += 1
@@ -432,14 +502,20 @@ def sync_step(
             param.grad = torch.zeros_like(param)
         grads.append(param.grad)
     collectives += weighted_sum(
-        grads, 1.0 / world, group, backend, bucket_bytes=bucket_bytes, trace=trace, label="GRAD"
-    )
+        grads, 1.0 / world, group, backend, bucket_bytes=bucket_bytes, trace=trace, label="GRAD",
+        progress=progress,
+    )  # fmt: skip
     step()
+    if progress is not None:
+        progress.stage = "stepped"
     if buffers:
         collectives += weighted_sum(
             buffers, 1.0 / world, group, backend, bucket_bytes=bucket_bytes, trace=trace,
-            label="BUFFER",
+            label="BUFFER", progress=progress,
         )  # fmt: skip
+    if progress is not None:
+        progress.collectives = collectives
+        _close(group, progress, trace)
     counts = counted.counts
     return RoundResult(True, collectives, counts, 1.0 / world, world, None)
 
@@ -454,6 +530,8 @@ def average_round(
     window: int | None = None,
     bucket_bytes: int = BUCKET_BYTES,
     trace: Trace | None = None,
+    seat: Seat | None = None,
+    progress: Progress | None = None,
 ) -> RoundResult:
     """Average ``model`` across the group, each rank weighted by the batches it realized.
 
@@ -465,13 +543,19 @@ def average_round(
     if not math.isfinite(gamma) or not 0.0 <= gamma <= MAX_GAMMA:
         raise UserError(f"gamma must be between 0 and {MAX_GAMMA:g}; got {gamma!r}")
     backend = str(dist.get_backend(group))
-    rank = dist.get_rank(group)
+    rank = seat.rank if seat is not None else dist.get_rank(group)
     params, buffers = _floating(model.parameters()), _floating(model.buffers())
-    counted = _count(params, buffers, batches, window, False, side, group, trace)
+    counted = _count(params, buffers, batches, window, False, side, group, trace, 0, seat,
+                     progress)  # fmt: skip
     counts = counted.counts
     shares = gamma_shares(counts, gamma)
     movers = sum(1 for c in counts if c > 0)
+    if progress is not None:
+        progress.counts, progress.stage = counted.counts, "data"
     if movers == 0:
+        if progress is not None:
+            progress.collectives = 1
+            _close(group, progress, trace)
         return RoundResult(False, 1, counts, 0.0, 0, None)
     sums = _Sums()
     collectives = 1 + weighted_sum(
@@ -483,6 +567,7 @@ def average_round(
         sums=sums,
         trace=trace,
         label="PARAM",
+        progress=progress,
     )
     divergence = sums.divergence()  # between the rounds: the buffers cannot mask it
     if buffers:
@@ -494,5 +579,9 @@ def average_round(
             bucket_bytes=bucket_bytes,
             trace=trace,
             label="BUFFER",
+            progress=progress,
         )
+    if progress is not None:
+        progress.collectives = collectives
+        _close(group, progress, trace)
     return RoundResult(True, collectives, counts, shares[rank], movers, divergence)

@@ -33,7 +33,10 @@ Modes:
 
 Backends (``backend=``):
 - ``"collective"`` (default): all_reduce on the process group (gloo, NCCL): every round is a
-  barrier; a peer lost mid-collective stops the cohort with a save;
+  barrier. A peer lost mid-collective: with 3 ranks or more on the default group, the
+  survivors re-form a smaller group (5 s per leader candidate; a majority of the last cohort
+  needed) and go on, the lost rank counted as idle (``muster.train.reform``; ``reform=False``
+  turns it off); otherwise the cohort stops with a save;
 - ``"star"``: the CPU star (``muster.train.star``): each rank's contribution goes through its
   host's fold to rank 0's root over TCP, so ranks need no common collective library, a dead
   rank leaves the sum and the divisor (the rest go on), and every wait has a ceiling
@@ -74,13 +77,11 @@ import contextlib
 import logging
 import math
 import os
-import re
 import sys
 import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol, TypeVar, overload
 
@@ -90,14 +91,9 @@ from torch import nn
 
 from muster.errors import CohortLost, CohortStopped, UserError
 from muster.train import checkpoint, flight
-from muster.train.collective import (
-    RoundResult,
-    Trace,
-    average_round,
-    debug_trace,
-    sync_step,
-)
+from muster.train.collective import RoundResult, Seat, debug_trace
 from muster.train.mass import MAX_GAMMA
+from muster.train.reform import CollectiveBackend, Reformer, peer_lost
 from muster.train.sampler import WindowSampler
 from muster.train.schedule import ElCheSchedule, WindowReport, WindowSummary, cap_counts
 from muster.train.star import AsyncRound, StarBackend
@@ -125,26 +121,6 @@ class AverageBackend(Protocol):
     def step(
         self, model: nn.Module, step: Callable[[], Any], side: torch.Tensor, window: int
     ) -> RoundResult: ...
-
-
-@dataclass(frozen=True)
-class CollectiveBackend:
-    """all_reduce over torch.distributed (gloo or NCCL): every round paces the window."""
-
-    group: Any = None
-    trace: Trace | None = None
-
-    def round(
-        self, model: nn.Module, batches: int, gamma: float, side: torch.Tensor, window: int
-    ) -> RoundResult:
-        return average_round(
-            model, batches, gamma, self.group, side, window=window, trace=self.trace
-        )
-
-    def step(
-        self, model: nn.Module, step: Callable[[], Any], side: torch.Tensor, window: int
-    ) -> RoundResult:
-        return sync_step(model, step, self.group, side, window=window, trace=self.trace)
 
 
 class Stopwatch:
@@ -217,6 +193,7 @@ class ElChe:
         save: str | Path | None = None,
         resume: str | Path | None = None,
         hosts: list[int] | None = None,
+        reform: bool = True,
     ) -> None:
         if mode not in MODES:
             raise UserError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
@@ -263,13 +240,20 @@ class ElChe:
             save = Path(os.environ["MUSTER_OUTPUT_DIR"]) / "elche"
         self.save_prefix = Path(save) if save is not None else None
         self.star: StarBackend | None = None
+        self.collective: CollectiveBackend | None = None
         if backend == "star":
             ceilings = Ceilings(heartbeat_s, timeout_s, stall_s)
             self.star = StarBackend(model, group, ceilings=ceilings, bf16_wire=bf16_wire,
                                     hosts=hosts)  # fmt: skip
             self.backend: AverageBackend = self.star
         else:
-            self.backend = CollectiveBackend(group, debug_trace(self.rank))
+            self.collective = CollectiveBackend(group, debug_trace(self.rank), optimizer=optimizer)
+            if reform and group is None and self.world >= 3:
+                seat = Seat(self.rank, self.world, tuple(range(self.world)))
+                wait_s = stall_s if stall_s is not None else max(10 * timeout_s, 300.0)
+                self.collective.seat = seat
+                self.collective.reformer = Reformer(seat, str(dist.get_backend()), wait_s)
+            self.backend = self.collective
         self.sampler = WindowSampler(
             dataset_size, batch_size, rank=self.rank, world=self.world, seed=seed, shuffle=shuffle
         )
@@ -398,8 +382,7 @@ class ElChe:
         self.round_ms += (time.perf_counter() - started) * 1e3
         self._round_done = True
         self.window_batches = 0  # (averaged: nothing of this window is pending any more)
-        if self.star is not None:
-            self.alive = set(self.star.alive)
+        self._follow_members()
 
     def _side(self, mine: WindowSummary) -> torch.Tensor:
         side = torch.zeros(self.world * _SLOTS, dtype=torch.float64)
@@ -450,8 +433,7 @@ class ElChe:
         self.window_batches = 0
         self.last_round = result
         self.round_ms += (time.perf_counter() - started) * 1e3
-        if self.star is not None:
-            self.alive = set(self.star.alive)
+        self._follow_members()
         reports = self._reports(result.counts, side)
         if result.divergence is not None:
             d = result.divergence
@@ -469,6 +451,13 @@ class ElChe:
         if self.mode == "cadence":
             self.schedule.record(reports)
         self.window += 1
+
+    def _follow_members(self) -> None:
+        """The ranks the cohort still counts: the star's live ones, or the re-formed group's."""
+        if self.star is not None:
+            self.alive = set(self.star.alive)
+        elif self.collective is not None and self.collective.members is not None:
+            self.alive = set(self.collective.members)
 
     # -- async rounds (the star) ---------------------------------------------------------------
 
@@ -504,14 +493,15 @@ class ElChe:
         except CohortLost:
             raise
         except RuntimeError as exc:
-            if self.star is not None or not _PEER_LOST.search(str(exc)):
+            if self.star is not None or not peer_lost(exc):
                 raise  # (an OOM, an optimizer's own error: not a lost peer)
             # (gloo: "Connection closed by peer"; NCCL: a watchdog abort) A peer is gone and
-            # the collective backend cannot re-form without it: stop with a save. A loss in
-            # the middle of PARAM or BUFFER leaves this rank's tensors pre-scaled or partly
-            # summed: the save says where it stopped, and the last round-boundary save (or
-            # the consensus of the others) is the one to resume from then.
-            reason = f"a peer was lost in a collective ({str(exc).splitlines()[0][:200]})"
+            # this cohort cannot re-form (two ranks, a group of the caller's, reform=False:
+            # muster.train.reform): stop with a save. A loss in the middle of PARAM or
+            # BUFFER leaves this rank's tensors pre-scaled or partly summed: the save says
+            # where it stopped, and the last round-boundary save is the one to resume from.
+            why = "" if self.world >= 3 else " (a cohort of two cannot re-form: one is no majority)"
+            reason = f"a peer was lost in a collective ({str(exc).splitlines()[0][:200]}){why}"
             self._save_now(reason)
             raise CohortStopped(reason) from exc
 
@@ -644,13 +634,11 @@ class ElChe:
             with contextlib.suppress(CohortStopped, CohortLost):
                 self._drain()
             self.star.close()
+        if self.collective is not None:
+            self.collective.close()
 
 
 _LIVE: weakref.WeakSet[ElChe] = weakref.WeakSet()
-# What gloo and NCCL say when a peer is gone mid-collective.
-_PEER_LOST = re.compile(
-    r"Connection (closed|reset)|Broken pipe|peer|NCCL|[Tt]imed out|ProcessGroup|Gloo|gloo"
-)
 
 
 def _watch_for_death(elche: ElChe) -> None:

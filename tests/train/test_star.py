@@ -29,12 +29,14 @@ def nodes(
     survivors: int,
     exits: tuple[int, ...] = (),
     timeout: float = 120,
+    worker: Path = WORKER,
+    expect: list[int] | None = None,
 ) -> list[int | None]:
     """One torchrun per node on loopback (static rendezvous): each node is a "host" of its
     own (torchrun's GROUP_RANK), so the star gets one fold per node. Returns the exit codes
-    once ranks 0..survivors-1 wrote their results; a node still running then is stopped
-    (None): torchrun's agent waits in its exit barrier (300 s, not settable from its command
-    line) for a node whose agent is gone."""
+    once ranks 0..survivors-1 (or ``expect``) wrote their results; a node still running then
+    is stopped (None): torchrun's agent waits in its exit barrier (300 s, not settable from
+    its command line) for a node whose agent is gone."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     port = free_port()
     procs = [
@@ -54,7 +56,7 @@ def nodes(
                 "127.0.0.1",
                 "--master-port",
                 str(port),
-                str(WORKER),
+                str(worker),
                 str(out),
                 scenario,
                 *args,
@@ -66,8 +68,9 @@ def nodes(
         for i, n in enumerate(per_node)
     ]
     deadline = time.monotonic() + timeout
+    expect = expect if expect is not None else list(range(survivors))
     try:
-        while not all((out / f"rank{r}.json").exists() for r in range(survivors)):
+        while not all((out / f"rank{r}.json").exists() for r in expect):
             assert time.monotonic() < deadline, "the survivors never finished"
             assert any(p.poll() is None for p in procs), [p.returncode for p in procs]
             time.sleep(0.2)

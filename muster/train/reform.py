@@ -1,0 +1,530 @@
+"""The collective backend, and how its survivors re-form when a peer is lost (seed 002, view 7).
+
+Under the collective backend every round is a set of all-reduces over one process group, and
+a peer that dies takes the group with it: gloo raises "Connection closed by peer" on the
+ranks that talk to it, NCCL's watchdog aborts. With three ranks or more, on the default
+process group, the survivors then *re-form* instead of stopping:
+
+1. Each survivor destroys its broken group at once, which closes its sockets, so a rank still
+   parked in a collective (or arriving at its next round) fails there too, instead of waiting
+   for the group's timeout.
+2. Every rank bound a listening socket when the cohort formed, and every rank knows every
+   other's. A survivor walks the members in rank order and takes the first whose socket
+   answers as the leader, giving each candidate ``CANDIDATE_S`` (5 s) to answer: a dead
+   process's port refuses at once, a dead host's times out. So every survivor picks the same
+   leader, the lowest live rank; the leader picks itself once every rank below it failed to
+   answer.
+3. The leader hosts a ``TCPStore`` on its listening socket; each survivor registers there. The
+   leader waits (at most ``wait_s``) until every member of the old cohort has registered or
+   stopped answering, then names the new members: only a strict majority of the old cohort
+   may go on, so two halves of a split network never both train; a minority stops with a
+   save. A rank left out (it came too late) stops with a save as well.
+4. The members build a new default process group (``init_process_group`` on that store), each
+   keeping its *logical* rank: COUNT's slots, the shares and the sampler keep their meaning, a
+   lost rank is a zero count, exactly as the star drops a dead rank.
+5. The members exchange how far their round had got, and repair it (:func:`decide`). Each round
+   ends with one more tiny all-reduce, DONE, so a rank past it knows every rank holds the
+   round's whole result; the failure then leaves the survivors at most one round apart:
+   - all in the same round, none with its result: each puts back its pre-round state (a host
+     copy taken before the round) and the round runs again without the dead rank (cadence),
+     or the step is skipped on every rank (sync: nobody stepped; the batch is lost);
+   - all in the same round, some with its result (or, in sync mode, stepped): that rank's
+     model (sync: and optimizer state) is broadcast to the rest: the round stands, dead
+     rank's contribution included;
+   - some one round ahead: the ranks behind hold the earlier round's result and go on; those
+     ahead run their round again (cadence; the others meet them there) or skip the step (sync,
+     and the ranks behind skip that step too).
+
+A cohort of two cannot re-form (one survivor is not a majority), nor can a cohort on a group
+the caller passed (``ElChe(group=...)``): both stop with a save, as does ``reform=False``.
+The costs of re-forming being possible: one DONE per round, and in cadence mode a host copy
+of the floating-point parameters and buffers at each round (sync: of the buffers).
+
+Who may call: the leader's store, like torchrun's, takes any client that reaches its port.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import hashlib
+import hmac
+import json
+import logging
+import os
+import re
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._C._distributed_c10d import PrefixStore, TCPStore
+
+from muster.errors import CohortStopped
+from muster.train.collective import (
+    STAGES,
+    Progress,
+    RoundResult,
+    Seat,
+    Trace,
+    average_round,
+    sync_step,
+)
+from muster.train.mass import gamma_shares
+
+CANDIDATE_S = 5.0  # how long a survivor waits for a candidate leader's socket to answer
+_PROBE_EVERY_S = 1.0  # the leader re-checks a member that has not registered yet
+_SLICE = datetime.timedelta(milliseconds=200)  # a collective is waited for in these
+
+# What gloo and NCCL say when a peer is gone mid-collective.
+PEER_LOST = re.compile(
+    r"Connection (closed|reset)|Broken pipe|peer|NCCL|[Tt]imed out|ProcessGroup|Gloo|gloo"
+)
+
+log = logging.getLogger("muster.train")
+
+
+def peer_lost(error: BaseException) -> bool:
+    return isinstance(error, RuntimeError) and bool(PEER_LOST.search(str(error)))
+
+
+def route_address() -> str:
+    """This host's address on the route to MASTER_ADDR: the one its peers reach it on."""
+    master = os.environ.get("MASTER_ADDR") or "127.0.0.1"
+    port = int(os.environ.get("MASTER_PORT") or 29500)
+    try:
+        family, _, _, _, where = socket.getaddrinfo(master, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(where)
+            return str(probe.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """How one survivor repairs the round it was in (see the module's docstring)."""
+
+    kind: str  # "keep", "adopt" (receive or send ``source``'s state), "redo", "void"
+    source: int | None = None  # adopt: the logical rank whose state everyone takes
+    void_next: bool = False  # sync: skip the next step too (the ranks ahead skipped it)
+
+
+def decide(reports: Sequence[dict[str, Any]], me: int, sync: bool) -> Decision:
+    """The repair every survivor computes from the same reports ({rank, window, stage})."""
+    windows = sorted({int(r["window"]) for r in reports})
+    mine = next(r for r in reports if int(r["rank"]) == me)
+    if len(windows) > 2 or windows[-1] - windows[0] > 1:
+        raise CohortStopped(f"the survivors are in rounds {windows}, more than one apart")
+    if len(windows) == 2:
+        behind = [r for r in reports if int(r["window"]) == windows[0]]
+        if any(r["stage"] != "closing" for r in behind):
+            raise CohortStopped(
+                "a survivor one round behind had not finished its round: the round ahead "
+                "cannot have run"
+            )
+        if int(mine["window"]) == windows[0]:
+            return Decision("keep", void_next=sync)
+        return Decision("void" if sync else "redo")
+    stages = [str(r["stage"]) for r in reports]
+    if all(s == "closing" for s in stages):
+        return Decision("keep")
+    ahead = ("stepped", "closing") if sync else ("closing",)
+    if any(s in ahead for s in stages):
+        best = max(STAGES.index(s) for s in stages)
+        source = min(int(r["rank"]) for r in reports if STAGES.index(r["stage"]) == best)
+        return Decision("adopt", source)
+    return Decision("void" if sync else "redo")
+
+
+class Reformer:
+    """The survivors' rendezvous: per rank a listening socket for the leader's store and one
+    for the call to re-form; the leader's store; the new group."""
+
+    def __init__(self, seat: Seat, backend: str, wait_s: float) -> None:
+        self.seat = seat
+        self.backend = backend
+        self.wait_s = wait_s
+        self.generation = 0
+        self.kicked = threading.Event()  # a peer called this rank to re-form
+        self.refused = 0  # calls to re-form that did not authenticate
+        self._store: Any = None  # the current generation's store (the leader serves it)
+        self._listener: socket.socket | None = None
+        self.seats: dict[int, tuple[str, int, int]] = {}  # rank -> (host, store port, call port)
+        host = route_address()
+        self._caller = socket.create_server((host, 0), backlog=128)
+        self._caller.settimeout(None)
+        salt = secrets.token_bytes(32)
+        self._closed = False
+        self._gather_seats({"salt": salt.hex()})
+        threading.Thread(target=self._answer_calls, name="muster-reform-calls", daemon=True).start()
+
+    def _gather_seats(self, extra: dict[str, Any]) -> list[dict[str, Any]]:
+        host, port = self._open()
+        mine = {
+            **extra,
+            "rank": self.seat.rank,
+            "seat": [host, port, self._caller.getsockname()[1]],
+        }
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        self.seats = {int(g["rank"]): (g["seat"][0], int(g["seat"][1]), int(g["seat"][2]))
+                      for g in gathered}  # fmt: skip
+        if "salt" in extra:  # (the lowest rank's salt keys the calls to re-form)
+            self._key = bytes.fromhex(min(gathered, key=lambda g: int(g["rank"]))["salt"])
+        return gathered
+
+    def _open(self) -> tuple[str, int]:
+        host = route_address()
+        listener = socket.create_server((host, 0), backlog=128)
+        old, self._listener = self._listener, listener
+        if old is not None:
+            old.close()
+        return host, int(listener.getsockname()[1])
+
+    def close(self) -> None:
+        self._closed = True
+        for sock in (self._listener, self._caller):
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.close()
+        self._listener = None
+
+    # -- the call to re-form -------------------------------------------------------------------
+
+    def _token(self, generation: int) -> bytes:
+        head = generation.to_bytes(8, "big")
+        return head + hmac.new(self._key, b"muster-reform" + head, hashlib.sha256).digest()
+
+    def _answer_calls(self) -> None:
+        """Accept calls to re-form: a peer that lost a peer tells every other rank, so a rank
+        parked in a collective with a rank that left it wakes up (the waiter sees ``kicked``).
+        Refused calls are counted and logged; the loop goes on until close."""
+        while not self._closed:
+            try:
+                conn, _ = self._caller.accept()
+            except OSError:
+                if self._closed:
+                    return
+                time.sleep(0.1)
+                continue
+            try:
+                conn.settimeout(2.0)
+                data = b""
+                while len(data) < 40:
+                    piece = conn.recv(40 - len(data))
+                    if not piece:
+                        break
+                    data += piece
+                generation = int.from_bytes(data[:8], "big")
+                if len(data) == 40 and hmac.compare_digest(data, self._token(generation)):
+                    if generation > self.generation:  # (else a late call for a done one)
+                        self.kicked.set()
+                else:
+                    self.refused += 1
+                    log.warning("re-form: refused an unauthenticated call (%d so far)",
+                                self.refused)  # fmt: skip
+            except OSError:
+                pass
+            finally:
+                conn.close()
+
+    def _call_all(self, generation: int) -> None:
+        """Tell every other member to re-form (at most ``CANDIDATE_S``; the dead refuse)."""
+        token = self._token(generation)
+
+        def call(rank: int) -> None:
+            host, _, port = self.seats[rank]
+            with (
+                contextlib.suppress(OSError),
+                socket.create_connection((host, port), CANDIDATE_S) as c,
+            ):
+                c.sendall(token)
+
+        threads = [threading.Thread(target=call, args=(r,), daemon=True)
+                   for r in self.seat.members if r != self.seat.rank]  # fmt: skip
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(CANDIDATE_S + 1.0)
+
+    def wait(self, work: Any) -> None:
+        """Wait for a collective's work, in slices, giving up when a peer calls a re-form."""
+        while True:
+            if self.kicked.is_set():
+                raise RuntimeError("muster: a peer is re-forming the cohort (it lost a peer)")
+            try:
+                work.wait(_SLICE)
+                return
+            except RuntimeError as exc:
+                if "Operation timed out" not in str(exc):
+                    raise
+
+    # -- the rendezvous --------------------------------------------------------------------------
+
+    def _answers(self, rank: int, timeout: float) -> bool:
+        host, port, _ = self.seats[rank]
+        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout):
+            return True
+        return False
+
+    def _leader(self) -> int:
+        for candidate in self.seat.members:
+            if candidate == self.seat.rank or self._answers(candidate, CANDIDATE_S):
+                return candidate
+        return self.seat.rank  # (unreachable: this rank is a member)
+
+    def reform(self, report: dict[str, Any]) -> tuple[Seat, list[dict[str, Any]]]:
+        """Re-form the survivors into a new default group; returns this rank's new seat and
+        every member's ``report``. Raises CohortStopped when this rank cannot go on."""
+        me, old = self.seat.rank, self.seat.members
+        generation = self.generation + 1
+        self._call_all(generation)
+        with contextlib.suppress(Exception):
+            if self.backend == "nccl":  # (NCCL's collectives only end by an abort)
+                dist.distributed_c10d._get_default_group().abort()
+            dist.destroy_process_group()
+        leader = self._leader()
+        prefix = f"muster-reform/{generation}/"
+        timeout = datetime.timedelta(seconds=self.wait_s)
+        try:
+            if leader == me:
+                assert self._listener is not None
+                host, port, _ = self.seats[me]
+                store = TCPStore(host, port, None, True, timeout, wait_for_workers=False,
+                                 master_listen_fd=os.dup(self._listener.fileno()))  # fmt: skip
+                members = self._gather(store, prefix, old)
+            else:
+                host, port, _ = self.seats[leader]
+                store = TCPStore(host, port, None, False, timeout)
+                store.set(f"{prefix}in/{me}", "1")
+                store.wait([f"{prefix}members"], timeout)
+                members = json.loads(store.get(f"{prefix}members"))
+        except (RuntimeError, OSError) as exc:  # (DistError is a RuntimeError)
+            raise CohortStopped(
+                f"the survivors could not re-form around rank {leader}: "
+                f"{str(exc).splitlines()[0][:200]}"
+            ) from exc
+        if 2 * len(members) <= len(old):
+            raise CohortStopped(
+                f"only ranks {members} of {list(old)} re-formed: a re-formed cohort needs a "
+                "majority of the last one (so two halves of a split network never both go on)"
+            )
+        if me not in members:
+            raise CohortStopped(f"ranks {members} re-formed without rank {me} (it came late)")
+        dist.init_process_group(self.backend, store=PrefixStore(f"{prefix}group", store),
+                                rank=members.index(me), world_size=len(members))  # fmt: skip
+        self._store = store
+        self.seat = Seat(me, self.seat.world, tuple(members))
+        gathered = self._gather_seats(report)
+        self.generation = generation
+        self.kicked.clear()
+        return self.seat, gathered
+
+    def _gather(self, store: Any, prefix: str, old: Sequence[int]) -> list[int]:
+        """The leader: wait for every old member to register or stop answering, then name
+        the members (none when they are not a majority: every rank stops)."""
+        me = self.seat.rank
+        joined = {me}
+        pending = {r for r in old if r != me}
+        checked: dict[int, float] = {}
+        deadline = time.monotonic() + self.wait_s
+        while pending and time.monotonic() < deadline:
+            for rank in sorted(pending):
+                if store.check([f"{prefix}in/{rank}"]):
+                    joined.add(rank)
+                    pending.discard(rank)
+                elif time.monotonic() - checked.get(rank, -1e9) >= _PROBE_EVERY_S:
+                    checked[rank] = time.monotonic()
+                    if not self._answers(rank, CANDIDATE_S):
+                        pending.discard(rank)  # (its process is gone)
+            time.sleep(0.02)
+        members = sorted(joined)
+        if pending:
+            log.warning("re-form: ranks %s answer but did not come in %.0f s: left out",
+                        sorted(pending), self.wait_s)  # fmt: skip
+        store.set(f"{prefix}members", json.dumps(members))
+        return members
+
+
+@dataclass
+class CollectiveBackend:
+    """all_reduce over torch.distributed (gloo or NCCL): every round paces the window; with a
+    ``reformer``, a lost peer re-forms the survivors (the module's docstring)."""
+
+    group: Any = None
+    trace: Trace | None = None
+    seat: Seat | None = None
+    reformer: Reformer | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    reforms: list[dict[str, Any]] = field(default_factory=list)  # what each re-form did
+    _copies: list[torch.Tensor] = field(default_factory=list)  # host copies, reused
+    _void: int | None = None  # sync: the window whose step this rank skips (see decide)
+
+    @property
+    def members(self) -> tuple[int, ...] | None:
+        return self.seat.members if self.seat is not None else None
+
+    def round(
+        self, model: nn.Module, batches: int, gamma: float, side: torch.Tensor, window: int
+    ) -> RoundResult:
+        if self.reformer is None:
+            return average_round(model, batches, gamma, self.group, side, window=window,
+                                 trace=self.trace)  # fmt: skip
+        tensors = _floating([*model.parameters(), *model.buffers()])
+        self._keep(tensors)
+        given = side.clone()
+        while True:
+            progress = Progress(wait=self.reformer.wait)
+            try:
+                return average_round(
+                    model, batches, gamma, self.group, side,
+                    window=window, trace=self.trace, seat=self.seat, progress=progress,
+                )  # fmt: skip
+            except RuntimeError as exc:
+                if not peer_lost(exc):
+                    raise
+                lost = str(exc).splitlines()[0][:200]
+            # (out of the except block: its traceback holds the broken group's sockets open)
+            decision = self._reform(lost, window, progress, False, tensors)
+            if decision.kind == "redo":
+                self._put_back(tensors)
+                side.copy_(given)
+                continue
+            if decision.kind == "adopt":
+                self._adopt(decision.source, tensors, with_optimizer=False)
+            return self._result(progress, gamma)
+
+    def step(
+        self, model: nn.Module, step: Callable[[], Any], side: torch.Tensor, window: int
+    ) -> RoundResult:
+        if self.reformer is None:
+            return sync_step(model, step, self.group, side, window=window, trace=self.trace)
+        assert self.seat is not None
+        if self._void == window:  # (the ranks ahead skipped this step: so does this one)
+            self._void = None
+            _drop_grads(model)
+            return RoundResult(False, 0, (0,) * self.seat.world, 0.0, 0, None)
+        buffers = _floating(model.buffers())
+        self._keep(buffers)
+        progress = Progress(wait=self.reformer.wait)
+        try:
+            return sync_step(model, step, self.group, side, window=window, trace=self.trace,
+                             seat=self.seat, progress=progress)  # fmt: skip
+        except RuntimeError as exc:
+            if not peer_lost(exc):
+                raise
+            lost = str(exc).splitlines()[0][:200]
+        decision = self._reform(lost, window, progress, True, buffers)
+        if decision.void_next:
+            self._void = window + 1
+        if decision.kind == "void":
+            self._put_back(buffers)
+            _drop_grads(model)
+            return RoundResult(False, 0, (0,) * self.seat.world, 0.0, 0, None)
+        if decision.kind == "adopt":
+            assert decision.source is not None
+            if decision.source == self.seat.rank and progress.stage == "stepped":
+                self._put_back(buffers)  # (its BUFFER was cut short: its own buffers go)
+            self._adopt(decision.source, _floating(model.parameters()) + buffers,
+                        with_optimizer=True)  # fmt: skip
+        counts = progress.counts or (0,) * self.seat.world
+        n = len(self.seat.members)
+        return RoundResult(True, progress.collectives, counts, 1.0 / n, n, None)
+
+    # -- the repair ----------------------------------------------------------------------------
+
+    def _reform(
+        self,
+        lost: str,
+        window: int,
+        progress: Progress,
+        sync: bool,
+        kept: list[torch.Tensor],
+    ) -> Decision:
+        assert self.reformer is not None
+        assert self.seat is not None
+        log.warning("rank %d: a peer was lost in window %d (%s, %s): re-forming",
+                    self.seat.rank, window, progress.stage, lost)  # fmt: skip
+        started = time.monotonic()
+        try:
+            counts = list(progress.counts) if progress.counts is not None else None
+            seat, reports = self.reformer.reform(
+                {"window": window, "stage": progress.stage, "counts": counts}
+            )
+        except CohortStopped as exc:
+            # The save that follows holds this rank's pre-round state, not a half-sum.
+            self._put_back(kept)
+            raise CohortStopped(f"a peer was lost in a collective ({lost}); {exc}") from exc
+        before = self.seat.members
+        self.seat = seat
+        decision = decide(reports, seat.rank, sync)
+        if progress.counts is None and decision.source is not None:  # (COUNT was cut short
+            # here but not at the source, which finished the round: its counts are the round's)
+            progress.counts = tuple(next(r["counts"] for r in reports
+                                         if r["rank"] == decision.source))  # fmt: skip
+        self.reforms.append({
+            "window": window, "members": list(seat.members), "lost": sorted(set(before) -
+            set(seat.members)), "decision": decision.kind, "seconds": time.monotonic() - started,
+        })  # fmt: skip
+        log.warning("rank %d: re-formed with ranks %s in %.1f s (window %d: %s)", seat.rank,
+                    list(seat.members), time.monotonic() - started, window,
+                    decision.kind)  # fmt: skip
+        return decision
+
+    def _keep(self, tensors: list[torch.Tensor]) -> None:
+        """Host copies of ``tensors`` (buffers reused from round to round)."""
+        if [(c.shape, c.dtype) for c in self._copies] != [(t.shape, t.dtype) for t in tensors]:
+            pin = any(t.is_cuda for t in tensors)
+            self._copies = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in tensors]
+        with torch.no_grad():
+            for copy, tensor in zip(self._copies, tensors, strict=True):
+                copy.copy_(tensor, non_blocking=True)
+        if any(t.is_cuda for t in tensors):
+            torch.cuda.synchronize()
+
+    def _put_back(self, tensors: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for copy, tensor in zip(self._copies, tensors, strict=True):
+                tensor.copy_(copy)
+
+    def _adopt(self, source: int | None, tensors: list[torch.Tensor], with_optimizer: bool) -> None:
+        """Every member takes ``source``'s tensors (and optimizer state)."""
+        assert self.seat is not None
+        assert source is not None
+        src = self.seat.members.index(source)
+        with torch.no_grad():
+            for tensor in tensors:
+                dist.broadcast(tensor.data, src=src)
+        if with_optimizer and self.optimizer is not None:
+            state: list[Any] = [self.optimizer.state_dict() if source == self.seat.rank else None]
+            dist.broadcast_object_list(state, src=src)
+            if source != self.seat.rank:
+                self.optimizer.load_state_dict(state[0])
+
+    def _result(self, progress: Progress, gamma: float) -> RoundResult:
+        """A round that stands (kept, or adopted from a rank that finished it)."""
+        assert self.seat is not None
+        counts = progress.counts or (0,) * self.seat.world
+        movers = sum(1 for c in counts if c > 0)
+        weight = gamma_shares(counts, gamma)[self.seat.rank] if movers else 0.0
+        return RoundResult(movers > 0, progress.collectives, counts, weight, movers, None)
+
+    def close(self) -> None:
+        if self.reformer is not None:
+            self.reformer.close()
+
+
+def _floating(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    return [t for t in tensors if t.is_floating_point()]
+
+
+def _drop_grads(model: nn.Module) -> None:
+    for param in model.parameters():
+        param.grad = None
