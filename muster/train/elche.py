@@ -29,7 +29,8 @@ Modes:
   bounds how many rounds may be in flight: a rank waits for round ``w - lookahead`` before it
   sends round ``w``. Every rank plans window ``w`` from the timings of rounds up to
   ``w - 1 - lookahead`` only, which every rank has applied by then, so all deal the same
-  samples. An epoch's end waits for every round, so the epoch ends on one model.
+  samples. An epoch's last round is sent once every earlier one is applied, and the epoch's
+  end waits for it, so the epoch ends on one model.
 
 Backends (``backend=``):
 - ``"collective"`` (default): all_reduce on the process group (gloo, NCCL): every round is a
@@ -338,7 +339,9 @@ class ElChe:
                     watch.done()
                     self.batches_run += 1
                     self.window_batches += 1
-                self._round(watch.report().summary())
+                # (the epoch's last window: async sends its round on every round applied)
+                self._round(watch.report().summary(),
+                            last=self.sampler.remaining_batches < self._least())  # fmt: skip
             self._drain()
             finished = True
         except GeneratorExit:
@@ -410,14 +413,17 @@ class ElChe:
             for n, row in zip(counts, rows, strict=True)
         ]
 
-    def _round(self, mine: WindowSummary) -> None:
+    def _round(self, mine: WindowSummary, last: bool = False) -> None:
         if self._round_done:  # (sync: it ran in ``step``)
             self.window += 1
             return
         side = self._side(mine)
         if self.mode == "async":
             assert self.star is not None
-            while len(self._inflight) >= self.lookahead:
+            # A round's snapshot holds every consensus applied before it is sent; the rounds
+            # still in flight then are added as deltas, which differ by rank. So the epoch's
+            # last round goes out with none in flight: applied, it leaves one model everywhere.
+            while self._inflight and (last or len(self._inflight) >= self.lookahead):
                 self._apply(self._inflight.popleft())
             self._inflight.append(
                 self.star.begin(self.model, mine.batches, self.gamma, side, self.window)
@@ -599,29 +605,37 @@ class ElChe:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"])
-        self.window = int(mine["window"])
+        place = mine
+        if self.mode == "async":
+            # Async ranks are not paced by a barrier: a stop (or save() at one point of the
+            # loop) finds them at different windows, with rounds in flight that no save holds.
+            # The cohort resumes from the furthest rank's place (no sample it dealt is dealt
+            # again; the others' last windows of dealt samples are skipped), and one round in
+            # which every rank weighs the same makes one model of theirs.
+            places: list[Any] = [None] * self.world
+            keys = ("window", "epoch", "cursor", "alive", "rings", "fill_excess_ms", "scale")
+            dist.all_gather_object(places, {k: mine[k] for k in keys}, group=self.group)
+            place = max(places, key=lambda p: int(p["window"]))
+        self.window = int(place["window"])
         self.batches_run = int(mine["batches_run"])
-        self.alive = {int(r) for r in mine["alive"]}
-        for scale, rings in mine["rings"].items():
+        self.alive = {int(r) for r in place["alive"]}
+        for scale, rings in place["rings"].items():
             for ring, values in zip(self.schedule.rings[scale], rings, strict=True):
                 ring.extend(values)
-        self.schedule.fill_excess_ms = list(mine["fill_excess_ms"])
-        self.schedule.scale = mine["scale"]
-        self.start_epoch = max(0, int(mine["epoch"]))
-        self._resume_cursor = int(mine["cursor"])
-        pending = int(mine["window_batches"])
-        if self.mode != "sync" and not mine["round_done"]:
+        self.schedule.fill_excess_ms = list(place["fill_excess_ms"])
+        self.schedule.scale = place["scale"]
+        self.start_epoch = max(0, int(place["epoch"]))
+        self._resume_cursor = int(place["cursor"])
+        if self.mode == "async":
+            self.mode = "cadence"
+            try:
+                self._round(WindowSummary(1, None, 0.0, None))
+            finally:
+                self.mode = "async"
+        elif self.mode != "sync" and not mine["round_done"]:
             # The saved window's round never ran (a stall, or a save mid-window): run it now,
             # each rank with the batches it had run (0 at a round boundary: then it is idle).
-            summary = WindowSummary(pending, None, 0.0, None)
-            if self.mode == "async":
-                self.mode = "cadence"
-                try:
-                    self._round(summary)
-                finally:
-                    self.mode = "async"
-            else:
-                self._round(summary)
+            self._round(WindowSummary(int(mine["window_batches"]), None, 0.0, None))
 
     def close(self) -> None:
         """Leave the cohort (the star's links and hubs); the process group stays the caller's.

@@ -9,6 +9,9 @@ argv: OUT_DIR SCENARIO [ARGS], with SCENARIO one of
   the survivors go on: what the rounds accepted;
 - stall: 2 ranks; rank 1 sleeps past the stall ceiling in its window: both save and stop;
 - resume: 2 ranks, sync; a run straight through, and one saved mid-epoch then resumed;
+- async_resume: 2 ranks, async with lookahead 2, rank 1 slower; every rank saves after its
+  12th batch (at different windows, rounds in flight) and stops; a second run resumes from
+  that and trains on: its losses and final parameters;
 - death: 2 ranks; rank 1 raises out of its loop: its death record, rank 0 goes on;
 - lost: 2 ranks, the collective backend; rank 1 vanishes: rank 0 stops with a save.
 """
@@ -191,6 +194,40 @@ def resume(rank: int, world: int, save: str) -> dict[str, object]:
     return {"straight": straight, "at_save": at_save, "resumed": resumed}
 
 
+def async_resume(rank: int, world: int, save: str) -> dict[str, object]:
+    x, y = data(40 * 32)
+
+    def run(stop_at: int | None, resume_from: str | None) -> dict[str, object]:
+        model = net(rank)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+        elche = ElChe(model, optimizer, dataset_size=len(x), batch_size=32, mode="async",
+                      backend="star", anchor_batches=2, lookahead=2, heartbeat_s=0.5,
+                      timeout_s=3.0, save=save, resume=resume_from)  # fmt: skip
+        start = (elche.start_epoch, elche.window)
+        losses: list[float] = []
+        for epoch in range(elche.start_epoch, 3):
+            for indices in elche.epoch(epoch):
+                t0 = time.perf_counter()
+                loss = nn.functional.mse_loss(model(x[indices]), y[indices])
+                elche.step(loss)
+                losses.append(float(loss.detach()))
+                if rank == 1:
+                    time.sleep(2 * (time.perf_counter() - t0) + 0.004)
+                if len(losses) == stop_at:
+                    elche.save("a test's stop")
+                    break
+            if len(losses) == stop_at:
+                break
+        window = elche.window
+        elche.close()
+        return {"losses": losses, "params": flat(model).tolist(), "start": start,
+                "window": window}  # fmt: skip
+
+    first = run(12, None)
+    second = run(None, save)
+    return {"first": first, "second": second}
+
+
 def death(rank: int, world: int, save: str) -> dict[str, object]:
     x, y = data(16 * 32)
     model = net(rank)
@@ -239,6 +276,7 @@ def main() -> None:
         "stall": lambda: stall(rank, world, *args),
         "resume": lambda: resume(rank, world, *args),
         "death": lambda: death(rank, world, *args),
+        "async_resume": lambda: async_resume(rank, world, *args),
         "lost": lambda: lost(rank, world, *args),
     }
     result = runs[scenario]()

@@ -160,6 +160,22 @@ def test_resuming_from_a_save_gives_the_uninterrupted_model(tmp_path: Path) -> N
         assert torch.allclose(resumed, straight, atol=1e-5)
 
 
+def test_an_async_save_resumes_on_one_model(tmp_path: Path) -> None:
+    """Async ranks save at different windows with rounds in flight (lookahead 2): the resumed
+    cohort starts from the furthest rank's place, makes one model of theirs and trains on."""
+    save = tmp_path / "ckpt" / "run"
+    torchrun(WORKER, str(tmp_path), "async_resume", str(save), nproc=2, timeout=120)
+    a, b = ranks(tmp_path, 2)
+    assert a["second"]["start"] == b["second"]["start"]  # (one place: the furthest rank's)
+    assert a["second"]["start"][1] == max(a["first"]["window"], b["first"]["window"])
+    for seen in (a, b):
+        began = sum(seen["first"]["losses"][:3]) / 3
+        resumed = sum(seen["second"]["losses"][:3]) / 3
+        assert resumed < 0.5 * began, (began, resumed)  # (it went on from the save)
+    gap = (torch.tensor(a["second"]["params"]) - torch.tensor(b["second"]["params"])).abs()
+    assert float(gap.max()) < 1e-5  # every epoch ends on one model
+
+
 def test_a_dying_rank_writes_why_and_the_cohort_goes_on(tmp_path: Path) -> None:
     save = tmp_path / "run"
     codes = nodes(tmp_path, "death", [1, 1], str(save), survivors=1, exits=(1,))
