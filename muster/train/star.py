@@ -1,7 +1,7 @@
 """The CPU star reduce: muster.train's second averaging backend (seed 002, views 2-7).
 
 Parameters travel over TCP, not through NCCL or gloo collectives: every rank sends its
-contribution to its host's **fold** (the host's lowest rank hosts it, on loopback), each fold
+contribution to its host's **fold** (the host's lowest rank hosts it), each fold
 sends one summed host frame to the **root** (rank 0 hosts it), the root divides once by the
 accepted mass and the consensus comes back the same way. So a cohort of mixed GPUs (or
 vendors, or CPUs) averages without a common collective library, a host's uplink carries the
@@ -13,7 +13,10 @@ their ceilings).
 run's ``GROUP_RANK``, else the host name) and rank 0 hands out the run's salt and its root's
 address. After that no collective runs, so the cohort outlives a rank. The root binds
 ``MASTER_ADDR`` (the address every rank already reaches for the rendezvous), else every
-interface; folds bind loopback.
+interface. A fold listens on a Unix socket in a directory only its user may enter; its
+links' frames carry no tag (no one else can write into an established Unix stream: the
+handshake's proof is enough), which takes the MAC off a host's local traffic; links across
+hosts tag every frame.
 
 ``StarClient`` is a rank's end: one link to its fold, a reader and a heartbeat thread, and
 ``submit`` / ``Pending.wait`` for one operation at a time (the async mode keeps one in flight
@@ -48,7 +51,7 @@ from muster.train.collective import (
     read_count,
 )
 from muster.train.mass import MAX_GAMMA, gamma_shares, mover_mass
-from muster.train.starhub import Ceilings, Hub, read_values, send_values
+from muster.train.starhub import LOCAL, Ceilings, Hub, read_values, send_values
 from muster.train.starwire import (
     DOWN,
     UP,
@@ -186,13 +189,27 @@ class StarClient:
     """A rank's link to its host's fold."""
 
     def __init__(
-        self, rank: int, address: tuple[str, int], salt: bytes, ceilings: Ceilings, wire: str
+        self,
+        rank: int,
+        address: tuple[str, int] | str,
+        salt: bytes,
+        ceilings: Ceilings,
+        wire: str,
     ) -> None:
         self.rank = rank
         self.ceilings = ceilings
         self.wire = wire
-        sock = socket.create_connection(address, timeout=ceilings.idle_s)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if isinstance(address, str):  # (its host's fold, on a Unix socket)
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(ceilings.idle_s)
+            try:
+                sock.connect(address)
+            except OSError:
+                sock.close()
+                raise
+        else:
+            sock = socket.create_connection(address, timeout=ceilings.idle_s)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.codec = Codec(sock, send_dir=UP, recv_dir=DOWN)
         client_handshake(self.codec, salt, [rank])
         sock.settimeout(ceilings.timeout_s)  # (a wedged fold cannot hold a send for ever)
@@ -388,10 +405,10 @@ def form(
     fold = None
     if rank == mine[0]:  # (rank 0's fold is the root's child in this process: no socket)
         fold = Hub(name=f"fold{len(order)}-{rank}", salt=salt, ranks=set(mine),
-                   bind="127.0.0.1", ceilings=ceilings, wire=wire,
+                   bind=LOCAL, ceilings=ceilings, wire=wire,
                    parent=root if root is not None else root_address)  # fmt: skip
     ports: list[Any] = [None] * world
-    dist.all_gather_object(ports, fold.address[1] if fold is not None else None, group=group)
+    dist.all_gather_object(ports, fold.address if fold is not None else None, group=group)
     client: StarClient | LocalClient
     try:
         if fold is not None and root is None:
@@ -399,7 +416,7 @@ def form(
         if fold is not None:
             client = LocalClient(rank, fold, ceilings, wire)
         else:
-            client = StarClient(rank, ("127.0.0.1", int(ports[mine[0]])), salt, ceilings, wire)
+            client = StarClient(rank, str(ports[mine[0]]), salt, ceilings, wire)
         if fold is not None:
             fold.wait_joined()
         if root is not None:

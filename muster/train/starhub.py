@@ -36,7 +36,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
+import shutil
 import socket
+import struct
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -68,6 +72,7 @@ def chunk_count(n: int) -> int:
 
 
 HANDSHAKE_S = 10.0
+LOCAL = "local"  # a Hub's ``bind`` for a fold: a Unix socket in a private directory
 MAX_ADMITTING = 64  # handshakes in progress at once; more connections are refused at once
 LEFT = "it left (its ElChe closed)"
 
@@ -234,8 +239,17 @@ class Hub:
         self.down: list[_Child] = []  # the children the current answer goes to
         self.down_done = threading.Event()
         self.uplink_sent = 0  # bytes this fold sent its parent (the benchmark reads it)
-        self.listener = socket.create_server((bind, 0), backlog=128)
-        self.address = self.listener.getsockname()[:2]
+        self._private_dir: str | None = None
+        self.address: tuple[str, int] | str
+        if bind == LOCAL:  # (a fold: its host's ranks come over a Unix socket: see starwire)
+            self._private_dir = tempfile.mkdtemp(prefix="muster-star-")  # (0700)
+            self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.listener.bind(os.path.join(self._private_dir, "fold.sock"))
+            self.listener.listen(128)
+            self.address = self.listener.getsockname()
+        else:
+            self.listener = socket.create_server((bind, 0), backlog=128)
+            self.address = self.listener.getsockname()[:2]
         self._last_join = time.monotonic()
         self._admitting = 0
         self._threads: list[threading.Thread] = []
@@ -315,6 +329,8 @@ class Hub:
             self.listener.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):
             self.listener.close()
+        if self._private_dir is not None:
+            shutil.rmtree(self._private_dir, ignore_errors=True)
 
     def drain(self, timeout: float) -> None:
         """Close once every child has left or died (at most ``timeout`` s): a rank that hosts
@@ -359,7 +375,14 @@ class Hub:
             ).start()
 
     def _admit(self, sock: socket.socket) -> None:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if sock.family == socket.AF_UNIX:
+            uid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                      struct.calcsize("3i")))[1]  # fmt: skip
+            if uid != os.getuid():  # (the directory is 0700 already: this is the second lock)
+                self._refused(sock, StarRefused(f"a local link from uid {uid}"))
+                return
+        else:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         codec = Codec(sock, send_dir=DOWN, recv_dir=UP)
         with self.cv:
             crowded = self._admitting >= MAX_ADMITTING

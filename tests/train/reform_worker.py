@@ -42,7 +42,7 @@ def flat(model: nn.Module) -> list[float]:
 
 
 def train(rank: int, mode: str, kill: set[int], save: str | None) -> dict[str, object]:
-    x, y = data(48 * 32)
+    x, y = data(64 * 32)
     model = net(rank)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     elche = ElChe(model, optimizer, dataset_size=len(x), batch_size=32, mode=mode,  # type: ignore[arg-type]

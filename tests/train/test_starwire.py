@@ -281,3 +281,54 @@ def test_a_bf16_wire_gives_every_rank_the_same_answer() -> None:
         b.close()
     finally:
         hub.close()
+
+
+def test_a_folds_unix_socket_is_private_and_still_checks_the_salt_and_the_sequence() -> None:
+    """A fold's local links skip the per-frame tag; what keeps them sound: a 0700 directory,
+    the peer's uid, the handshake's proof, and frames that must come in sequence."""
+    import os
+
+    from muster.train.starhub import LOCAL
+
+    hub = Hub(name="fold", salt=SALT, ranks={0, 1}, bind=LOCAL, ceilings=QUICK)
+    try:
+        assert isinstance(hub.address, str)
+        assert os.stat(os.path.dirname(hub.address)).st_mode & 0o777 == 0o700
+
+        def local(salt: bytes) -> Codec:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(5)
+            sock.connect(hub.address)
+            codec = Codec(sock, send_dir=UP, recv_dir=DOWN)
+            assert not codec.tagged
+            client_handshake(codec, salt, [0])
+            return codec
+
+        with pytest.raises((StarRefused, StarClosed, OSError)):
+            local(b"x" * 32)  # (another run's salt)
+        codec = local(SALT)
+        codec.send_seq += 1  # (a frame skipped: what a replay or an injection looks like)
+        codec.send(Kind.HEARTBEAT)
+        with pytest.raises((StarClosed, OSError)):
+            codec.read()  # the fold cut the link
+        assert hub.rejected == 1  # (the bad salt; the rank that skipped a frame is dead)
+        assert 0 in hub.dead
+    finally:
+        hub.close()
+    hub = Hub(name="fold", salt=SALT, ranks={0, 1}, bind=LOCAL, ceilings=QUICK)
+    try:
+        a = StarClient(0, hub.address, SALT, QUICK, "f32")
+        b = StarClient(1, hub.address, SALT, QUICK, "f32")
+        hub.wait_joined()
+        out_a, out_b = torch.empty(2), torch.empty(2)
+        pa = a.submit("param", torch.tensor([1.0, 2.0]), 2, 1.0, out_a, scale=1.0)
+        pb = b.submit("param", torch.tensor([3.0, 6.0]), 2, 1.0, out_b, scale=1.0)
+        pa.wait()
+        pb.wait()
+        assert torch.allclose(out_a, torch.tensor([2.0, 4.0]))
+        assert torch.allclose(out_b, out_a)
+        a.close()
+        b.close()
+    finally:
+        hub.close()
+    assert not os.path.exists(os.path.dirname(hub.address))  # (removed with the fold)
