@@ -397,7 +397,8 @@ def form(
         bind, advertise = _root_bind()
         salt = secrets.token_bytes(32)
         root = Hub(name="root", salt=salt, ranks=set(range(world)), bind=bind,
-                   ceilings=ceilings, wire=wire)  # fmt: skip
+                   ceilings=ceilings, wire=wire,
+                   groups=[g for g in order.values() if 0 not in g])  # fmt: skip
         offer = [salt.hex(), [advertise, root.address[1]]]
     dist.broadcast_object_list(offer, src=_global(group, 0), group=group)
     salt = bytes.fromhex(str(offer[0]))
@@ -405,7 +406,7 @@ def form(
     fold = None
     if rank == mine[0]:  # (rank 0's fold is the root's child in this process: no socket)
         fold = Hub(name=f"fold{len(order)}-{rank}", salt=salt, ranks=set(mine),
-                   bind=LOCAL, ceilings=ceilings, wire=wire,
+                   bind=LOCAL, ceilings=ceilings, wire=wire, groups=[[r] for r in mine[1:]],
                    parent=root if root is not None else root_address)  # fmt: skip
     ports: list[Any] = [None] * world
     dist.all_gather_object(ports, fold.address if fold is not None else None, group=group)

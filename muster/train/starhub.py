@@ -212,10 +212,14 @@ class Hub:
         ceilings: Ceilings,
         wire: str = "f32",
         parent: tuple[str, int] | Hub | None = None,
+        groups: list[list[int]] | None = None,
     ) -> None:
         self.name = name
         self.salt = salt
         self.ranks = frozenset(ranks)
+        # Who may join as one child: a fold's single ranks, or (the root) whole host groups
+        # as the cohort formed them; None: any set of this hub's ranks (tests, benchmarks).
+        self.groups = {frozenset(g) for g in groups} if groups is not None else None
         self.ceilings = ceilings
         self.wire = wire
         self.parent_address = parent
@@ -403,6 +407,11 @@ class Hub:
             with self.cv:
                 if not wanted or not wanted <= self.ranks or wanted & self.joined:
                     raise StarRefused(f"ranks {sorted(wanted)} are not this hub's to join")
+                if self.groups is not None and wanted not in self.groups:
+                    raise StarRefused(
+                        f"ranks {sorted(wanted)} are not one of the groups that may join "
+                        f"({sorted(sorted(g) for g in self.groups)})"
+                    )
 
         try:
             ranks = frozenset(serve_handshake(codec, self.salt, admit))

@@ -332,3 +332,20 @@ def test_a_folds_unix_socket_is_private_and_still_checks_the_salt_and_the_sequen
     finally:
         hub.close()
     assert not os.path.exists(os.path.dirname(hub.address))  # (removed with the fold)
+
+
+def test_the_root_admits_only_the_host_groups_the_cohort_formed() -> None:
+    """A client holding the salt may still speak only for a whole host group (as form()
+    computed them), not for any set of ranks not joined yet."""
+    hub = Hub(name="root", salt=SALT, ranks={0, 1, 2}, bind="127.0.0.1", ceilings=QUICK,
+              groups=[[0, 1], [2]])  # fmt: skip
+    try:
+        for ranks in ([0], [1, 2], [0, 1, 2]):
+            with pytest.raises((StarRefused, StarClosed, OSError)):
+                raw(hub, ranks)
+        assert hub.rejected == 3
+        raw(hub, [0, 1])  # (a whole group: admitted)
+        raw(hub, [2])
+        until(lambda: hub.joined == {0, 1, 2})
+    finally:
+        hub.close()
