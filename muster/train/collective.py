@@ -95,6 +95,7 @@ class Progress:
     counts: tuple[int, ...] | None = None  # every rank's batches, once COUNT is through
     collectives: int = 0
     wait: Callable[[Any], None] | None = None  # waits for each collective's work (or raises)
+    closes: bool = True  # ends the round with DONE (a cohort that can re-form needs it)
 
 
 def all_reduce(tensor: torch.Tensor, op: Any, group: Any, progress: Progress | None) -> None:
@@ -431,6 +432,8 @@ def _close(group: Any, progress: Progress | None, trace: Trace | None) -> None:
     if progress is None:
         return
     progress.stage = "closing"
+    if not progress.closes:
+        return
     done = torch.ones(1, dtype=torch.float32)
     if str(dist.get_backend(group)) == "nccl":
         done = done.cuda()

@@ -37,7 +37,8 @@ Backends (``backend=``):
   barrier. A peer lost mid-collective: with 3 ranks or more on the default group, the
   survivors re-form a smaller group (5 s per leader candidate; a majority of the last cohort
   needed) and go on, the lost rank counted as idle (``muster.train.reform``; ``reform=False``
-  turns it off); otherwise the cohort stops with a save;
+  turns it off); otherwise the cohort stops with a save, as it does when a collective waits
+  ``stall_s`` for a rank that is alive but never comes (gloo);
 - ``"star"``: the CPU star (``muster.train.star``): each rank's contribution goes through its
   host's fold to rank 0's root over TCP, so ranks need no common collective library, a dead
   rank leaves the sum and the divisor (the rest go on), and every wait has a ceiling
@@ -248,10 +249,11 @@ class ElChe:
                                     hosts=hosts)  # fmt: skip
             self.backend: AverageBackend = self.star
         else:
-            self.collective = CollectiveBackend(group, debug_trace(self.rank), optimizer=optimizer)
+            wait_s = stall_s if stall_s is not None else max(10 * timeout_s, 300.0)
+            self.collective = CollectiveBackend(group, debug_trace(self.rank),
+                                                optimizer=optimizer, stall_s=wait_s)  # fmt: skip
             if reform and group is None and self.world >= 3:
                 seat = Seat(self.rank, self.world, tuple(range(self.world)))
-                wait_s = stall_s if stall_s is not None else max(10 * timeout_s, 300.0)
                 self.collective.seat = seat
                 self.collective.reformer = Reformer(seat, str(dist.get_backend()), wait_s)
             self.backend = self.collective

@@ -254,18 +254,6 @@ class Reformer:
         for thread in threads:
             thread.join(CANDIDATE_S + 1.0)
 
-    def wait(self, work: Any) -> None:
-        """Wait for a collective's work, in slices, giving up when a peer calls a re-form."""
-        while True:
-            if self.kicked.is_set():
-                raise RuntimeError("muster: a peer is re-forming the cohort (it lost a peer)")
-            try:
-                work.wait(_SLICE)
-                return
-            except RuntimeError as exc:
-                if "Operation timed out" not in str(exc):
-                    raise
-
     # -- the rendezvous --------------------------------------------------------------------------
 
     def _answers(self, rank: int, timeout: float) -> bool:
@@ -363,6 +351,7 @@ class CollectiveBackend:
     seat: Seat | None = None
     reformer: Reformer | None = None
     optimizer: torch.optim.Optimizer | None = None
+    stall_s: float | None = None  # a collective waited for longer stops the cohort
     reforms: list[dict[str, Any]] = field(default_factory=list)  # what each re-form did
     _copies: list[torch.Tensor] = field(default_factory=list)  # host copies, reused
     _void: int | None = None  # sync: the window whose step this rank skips (see decide)
@@ -376,17 +365,20 @@ class CollectiveBackend:
     ) -> RoundResult:
         if self.reformer is None:
             return average_round(model, batches, gamma, self.group, side, window=window,
-                                 trace=self.trace)  # fmt: skip
+                                 trace=self.trace, progress=self._progress())  # fmt: skip
         tensors = _floating([*model.parameters(), *model.buffers()])
         self._keep(tensors)
         given = side.clone()
         while True:
-            progress = Progress(wait=self.reformer.wait)
+            progress = self._progress()
             try:
                 return average_round(
                     model, batches, gamma, self.group, side,
                     window=window, trace=self.trace, seat=self.seat, progress=progress,
                 )  # fmt: skip
+            except CohortStopped:
+                self._put_back(tensors)  # (a stall: the save holds the pre-round model)
+                raise
             except RuntimeError as exc:
                 if not peer_lost(exc):
                     raise
@@ -405,7 +397,8 @@ class CollectiveBackend:
         self, model: nn.Module, step: Callable[[], Any], side: torch.Tensor, window: int
     ) -> RoundResult:
         if self.reformer is None:
-            return sync_step(model, step, self.group, side, window=window, trace=self.trace)
+            return sync_step(model, step, self.group, side, window=window, trace=self.trace,
+                             progress=self._progress())  # fmt: skip
         assert self.seat is not None
         if self._void == window:  # (the ranks ahead skipped this step: so does this one)
             self._void = None
@@ -413,10 +406,13 @@ class CollectiveBackend:
             return RoundResult(False, 0, (0,) * self.seat.world, 0.0, 0, None)
         buffers = _floating(model.buffers())
         self._keep(buffers)
-        progress = Progress(wait=self.reformer.wait)
+        progress = self._progress()
         try:
             return sync_step(model, step, self.group, side, window=window, trace=self.trace,
                              seat=self.seat, progress=progress)  # fmt: skip
+        except CohortStopped:
+            self._put_back(buffers)
+            raise
         except RuntimeError as exc:
             if not peer_lost(exc):
                 raise
@@ -437,6 +433,31 @@ class CollectiveBackend:
         counts = progress.counts or (0,) * self.seat.world
         n = len(self.seat.members)
         return RoundResult(True, progress.collectives, counts, 1.0 / n, n, None)
+
+    def _progress(self) -> Progress:
+        return Progress(wait=self._wait, closes=self.reformer is not None)
+
+    def _wait(self, work: Any) -> None:
+        """Wait for a collective's work in slices: give up when a peer calls a re-form, and
+        stop the cohort when it has waited ``stall_s`` (a rank alive but never coming: a lost
+        one makes the collective fail instead). gloo's works wait on the CPU; an NCCL work's
+        ``wait`` only orders the stream, so on NCCL neither applies (its watchdog's does)."""
+        started = time.monotonic()
+        while True:
+            if self.reformer is not None and self.reformer.kicked.is_set():
+                raise RuntimeError("muster: a peer is re-forming the cohort (it lost a peer)")
+            try:
+                work.wait(_SLICE)
+                return
+            except RuntimeError as exc:
+                if "Operation timed out" not in str(exc):
+                    raise
+            waited = time.monotonic() - started
+            if self.stall_s is not None and waited > self.stall_s:
+                raise CohortStopped(
+                    f"a collective stalled: no answer in {waited:.0f} s (stall_s) while no "
+                    "peer was lost: a rank is alive but not coming (wedged, or far slower)"
+                )
 
     # -- the repair ----------------------------------------------------------------------------
 

@@ -5,7 +5,9 @@ argv: OUT_DIR SCENARIO KILL [SAVE], SCENARIO one of
   (cadence, after its first batch) or at batch 5 (sync); the survivors re-form and finish
   two epochs: the rounds they saw, their final parameters, their re-forms;
 - minority: 3 ranks; ranks 1 and 2 die at once: rank 0 alone is no majority and stops with
-  a save (SAVE).
+  a save (SAVE);
+- stall: 2 ranks under one torchrun; rank 1 sleeps past stall_s (3 s) in its window: rank 0
+  stops with a save (SAVE) saying the collective stalled.
 """
 
 from __future__ import annotations
@@ -39,6 +41,23 @@ def net(seed: int) -> nn.Module:
 def flat(model: nn.Module) -> list[float]:
     return torch.cat([t.detach().flatten() for t in model.state_dict().values()
                       if t.is_floating_point()]).tolist()  # fmt: skip
+
+
+def stall(rank: int, save: str) -> dict[str, object]:
+    x, y = data(16 * 32)
+    model = net(rank)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.02)
+    elche = ElChe(model, optimizer, dataset_size=len(x), batch_size=32, mode="cadence",
+                  anchor_batches=2, save=save, stall_s=3.0)  # fmt: skip
+    started = time.monotonic()
+    try:
+        for indices in elche.epoch(0):
+            elche.step(nn.functional.mse_loss(model(x[indices]), y[indices]))
+            if rank == 1 and elche.window == 1:
+                time.sleep(8)  # (alive, but its round does not come)
+    except CohortStopped as exc:
+        return {"stopped": str(exc), "after_s": time.monotonic() - started}
+    return {"stopped": None}
 
 
 def train(rank: int, mode: str, kill: set[int], save: str | None) -> dict[str, object]:
@@ -84,7 +103,9 @@ def main() -> None:
     out_dir, scenario, kill, *rest = sys.argv[1:]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    if scenario == "minority":
+    if scenario == "stall":
+        result = stall(rank, rest[0])
+    elif scenario == "minority":
         result = train(rank, "cadence", {1, 2}, rest[0])
     else:
         result = train(rank, scenario, {int(kill)}, None)

@@ -11,7 +11,7 @@ import torch
 from muster.errors import CohortStopped
 from muster.train.reform import decide
 from tests.train.test_star import nodes
-from tests.train.torchrun import ROOT
+from tests.train.torchrun import ROOT, torchrun
 
 WORKER = ROOT / "tests/train/reform_worker.py"
 
@@ -69,6 +69,18 @@ def test_a_minority_stops_with_a_save(tmp_path: Path) -> None:
     meta = json.loads(Path(f"{save}.rank0.meta.json").read_text())
     assert "majority" in meta["reason"]
     assert Path(f"{save}.rank0.pt").exists()
+
+
+def test_a_stalled_collective_ends_in_a_save_with_the_reason(tmp_path: Path) -> None:
+    save = tmp_path / "run"
+    torchrun(WORKER, str(tmp_path), "stall", "-", str(save), nproc=2, timeout=120)
+    first, second = results(tmp_path, [0, 1])
+    assert "a collective stalled" in first["stopped"], first
+    assert first["after_s"] < 8  # (stall_s 3 s, not rank 1's 8 s of sleep)
+    meta = json.loads(Path(f"{save}.rank0.meta.json").read_text())
+    assert "stalled" in meta["reason"]
+    assert Path(f"{save}.rank0.pt").exists()
+    assert second["stopped"], second  # (rank 1 woke to a cohort that had stopped)
 
 
 def r(rank: int, window: int, stage: str) -> dict[str, object]:
