@@ -435,13 +435,16 @@ class CollectiveBackend:
         return RoundResult(True, progress.collectives, counts, 1.0 / n, n, None)
 
     def _progress(self) -> Progress:
-        return Progress(wait=self._wait, closes=self.reformer is not None)
+        # (on NCCL the collectives run as before: its work.wait(timeout) would make the CPU
+        # wait for the GPU at every bucket, and its timeouts read differently; untested here)
+        nccl = str(dist.get_backend(self.group)) == "nccl"
+        return Progress(wait=None if nccl else self._wait, closes=self.reformer is not None)
 
     def _wait(self, work: Any) -> None:
         """Wait for a collective's work in slices: give up when a peer calls a re-form, and
         stop the cohort when it has waited ``stall_s`` (a rank alive but never coming: a lost
-        one makes the collective fail instead). gloo's works wait on the CPU; an NCCL work's
-        ``wait`` only orders the stream, so on NCCL neither applies (its watchdog's does)."""
+        one makes the collective fail instead). gloo only: on NCCL the watchdog is the
+        ceiling."""
         started = time.monotonic()
         while True:
             if self.reformer is not None and self.reformer.kicked.is_set():
