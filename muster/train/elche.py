@@ -36,9 +36,9 @@ Backends (``backend=``):
 - ``"collective"`` (default): all_reduce on the process group (gloo, NCCL): every round is a
   barrier. A peer lost mid-collective: with 3 ranks or more on the default group, the
   survivors re-form a smaller group (5 s per leader candidate; a majority of the last cohort
-  needed) and go on, the lost rank counted as idle (``muster.train.reform``; ``reform=False``
-  turns it off); otherwise the cohort stops with a save, as it does when a collective waits
-  ``stall_s`` for a rank that is alive but never comes (gloo);
+  needed) and go on, the lost rank counted as idle (``muster.train.reform``; gloo only;
+  ``reform=False`` turns it off); otherwise the cohort stops with a save, as it does when
+  a collective waits ``stall_s`` for a rank that is alive but never comes (gloo);
 - ``"star"``: the CPU star (``muster.train.star``): each rank's contribution goes through its
   host's fold to rank 0's root over TCP, so ranks need no common collective library, a dead
   rank leaves the sum and the divisor (the rest go on), and every wait has a ceiling
@@ -252,10 +252,16 @@ class ElChe:
             wait_s = stall_s if stall_s is not None else max(10 * timeout_s, 300.0)
             self.collective = CollectiveBackend(group, debug_trace(self.rank),
                                                 optimizer=optimizer, stall_s=wait_s)  # fmt: skip
-            if reform and group is None and self.world >= 3:
+            if reform and group is None and self.world >= 3 and dist.get_backend() == "gloo":
+                # (gloo only: NCCL's half, an abort and new communicators, has not been run
+                # on GPUs yet; there a lost peer stops the cohort with a save)
                 seat = Seat(self.rank, self.world, tuple(range(self.world)))
-                self.collective.seat = seat
-                self.collective.reformer = Reformer(seat, str(dist.get_backend()), wait_s)
+                reformer = Reformer(seat, str(dist.get_backend()), wait_s)
+                if reformer.usable:  # (the same answer on every rank: from one gather)
+                    self.collective.seat = seat
+                    self.collective.reformer = reformer
+                else:
+                    reformer.close()
             self.backend = self.collective
         self.sampler = WindowSampler(
             dataset_size, batch_size, rank=self.rank, world=self.world, seed=seed, shuffle=shuffle
@@ -465,6 +471,8 @@ class ElChe:
         if self.star is not None:
             self.alive = set(self.star.alive)
         elif self.collective is not None and self.collective.members is not None:
+            if self.collective.hold == self.window + 1:
+                return  # (the ranks ahead planned the next window with the old members)
             self.alive = set(self.collective.members)
 
     # -- async rounds (the star) ---------------------------------------------------------------

@@ -57,7 +57,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +73,7 @@ from muster.train.collective import (
     RoundResult,
     Seat,
     Trace,
+    _floating,
     average_round,
     sync_step,
 )
@@ -81,10 +82,17 @@ from muster.train.mass import gamma_shares
 CANDIDATE_S = 5.0  # how long a survivor waits for a candidate leader's socket to answer
 _PROBE_EVERY_S = 1.0  # the leader re-checks a member that has not registered yet
 _SLICE = datetime.timedelta(milliseconds=200)  # a collective is waited for in these
+_FRAME = 41  # a call or a ping: kind (1), generation (8), MAC (32)
+_MAX_ANSWERING = 16  # calls and pings answered at once
+_REFORMS_PER_ROUND = 4  # a round re-formed more often than this stops the cohort
+# Process groups and works given up on: their destructors would wait for the collectives a
+# lost peer never joins, so they are kept (their sockets and threads with them) for good.
+_ABANDONED: list[Any] = []
 
-# What gloo and NCCL say when a peer is gone mid-collective.
+# What gloo and NCCL say when a peer is gone mid-collective (and a peer's call to re-form).
 PEER_LOST = re.compile(
-    r"Connection (closed|reset)|Broken pipe|peer|NCCL|[Tt]imed out|ProcessGroup|Gloo|gloo"
+    r"Connection (closed|reset|refused)|Broken pipe|Read error|Write error|[Tt]imed out"
+    r"|NCCL (error|communicator)|[Ww]atchdog|re-forming the cohort"
 )
 
 log = logging.getLogger("muster.train")
@@ -92,6 +100,10 @@ log = logging.getLogger("muster.train")
 
 def peer_lost(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and bool(PEER_LOST.search(str(error)))
+
+
+def _loopback(host: str) -> bool:
+    return host.startswith("127.") or host in ("::1", "localhost")
 
 
 def route_address() -> str:
@@ -114,6 +126,7 @@ class Decision:
     kind: str  # "keep", "adopt" (receive or send ``source``'s state), "redo", "void"
     source: int | None = None  # adopt: the logical rank whose state everyone takes
     void_next: bool = False  # sync: skip the next step too (the ranks ahead skipped it)
+    behind: bool = False  # this rank finished the round some others are one past
 
 
 def decide(reports: Sequence[dict[str, Any]], me: int, sync: bool) -> Decision:
@@ -130,7 +143,7 @@ def decide(reports: Sequence[dict[str, Any]], me: int, sync: bool) -> Decision:
                 "cannot have run"
             )
         if int(mine["window"]) == windows[0]:
-            return Decision("keep", void_next=sync)
+            return Decision("keep", void_next=sync, behind=True)
         return Decision("void" if sync else "redo")
     stages = [str(r["stage"]) for r in reports]
     if all(s == "closing" for s in stages):
@@ -144,8 +157,9 @@ def decide(reports: Sequence[dict[str, Any]], me: int, sync: bool) -> Decision:
 
 
 class Reformer:
-    """The survivors' rendezvous: per rank a listening socket for the leader's store and one
-    for the call to re-form; the leader's store; the new group."""
+    """The survivors' rendezvous. Each rank has two listening sockets: one its accept thread
+    answers (calls to re-form, and pings that prove a rank alive and of this run), and one
+    only a leader uses, for the store the survivors meet on."""
 
     def __init__(self, seat: Seat, backend: str, wait_s: float) -> None:
         self.seat = seat
@@ -153,16 +167,31 @@ class Reformer:
         self.wait_s = wait_s
         self.generation = 0
         self.kicked = threading.Event()  # a peer called this rank to re-form
-        self.refused = 0  # calls to re-form that did not authenticate
+        self.refused = 0  # calls and pings that did not authenticate
+        self.usable = True  # False: the seats cannot reach each other (loopback across hosts)
         self._store: Any = None  # the current generation's store (the leader serves it)
         self._listener: socket.socket | None = None
-        self.seats: dict[int, tuple[str, int, int]] = {}  # rank -> (host, store port, call port)
-        host = route_address()
-        self._caller = socket.create_server((host, 0), backlog=128)
-        self._caller.settimeout(None)
-        salt = secrets.token_bytes(32)
         self._closed = False
-        self._gather_seats({"salt": salt.hex()})
+        self._answering = threading.Semaphore(_MAX_ANSWERING)
+        self.seats: dict[int, tuple[str, int, int]] = {}  # rank -> (host, store port, call port)
+        self._caller = socket.create_server((route_address(), 0), backlog=128)
+        try:
+            gathered = self._gather_seats(
+                {"salt": secrets.token_bytes(32).hex(), "host": socket.gethostname()}
+            )
+        except BaseException:
+            self.close()
+            raise
+        hosts = {str(g["host"]) for g in gathered}
+        looped = [int(g["rank"]) for g in gathered if _loopback(g["seat"][0])]
+        if looped and len(hosts) > 1:
+            self.usable = False
+            if seat.rank == min(self.seats):
+                log.warning(
+                    "re-form is off: ranks %s advertise a loopback address across %d hosts "
+                    "(MASTER_ADDR unset, or naming 127.x on its host); a lost peer stops "
+                    "the cohort with a save", looped, len(hosts),
+                )  # fmt: skip
         threading.Thread(target=self._answer_calls, name="muster-reform-calls", daemon=True).start()
 
     def _gather_seats(self, extra: dict[str, Any]) -> list[dict[str, Any]]:
@@ -181,31 +210,38 @@ class Reformer:
         return gathered
 
     def _open(self) -> tuple[str, int]:
-        host = route_address()
-        listener = socket.create_server((host, 0), backlog=128)
+        listener = socket.create_server((route_address(), 0), backlog=128)
         old, self._listener = self._listener, listener
         if old is not None:
             old.close()
-        return host, int(listener.getsockname()[1])
+        return str(listener.getsockname()[0]), int(listener.getsockname()[1])
 
     def close(self) -> None:
         self._closed = True
         for sock in (self._listener, self._caller):
             if sock is not None:
                 with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)  # (wakes the accept thread: Linux)
+                with contextlib.suppress(OSError):
                     sock.close()
         self._listener = None
+        self._store = None
 
-    # -- the call to re-form -------------------------------------------------------------------
+    # -- calls and pings -----------------------------------------------------------------------
 
-    def _token(self, generation: int) -> bytes:
+    def _mac(self, what: bytes, generation: int) -> bytes:
         head = generation.to_bytes(8, "big")
-        return head + hmac.new(self._key, b"muster-reform" + head, hashlib.sha256).digest()
+        return hmac.new(self._key, b"muster-reform/" + what + head, hashlib.sha256).digest()
+
+    def _frame(self, kind: bytes, generation: int) -> bytes:
+        return kind + generation.to_bytes(8, "big") + self._mac(kind, generation)
 
     def _answer_calls(self) -> None:
-        """Accept calls to re-form: a peer that lost a peer tells every other rank, so a rank
-        parked in a collective with a rank that left it wakes up (the waiter sees ``kicked``).
-        Refused calls are counted and logged; the loop goes on until close."""
+        """Accept calls and pings, a thread each (at most a few at once). A call to re-form
+        (a peer lost a peer) sets ``kicked``: a rank parked in a collective with a rank that
+        left it wakes up. A ping is answered with a MAC, which proves this rank alive, its
+        thread running and of this run. Refused frames are counted and logged; the loop
+        goes on until close."""
         while not self._closed:
             try:
                 conn, _ = self._caller.accept()
@@ -214,30 +250,43 @@ class Reformer:
                     return
                 time.sleep(0.1)
                 continue
-            try:
-                conn.settimeout(2.0)
-                data = b""
-                while len(data) < 40:
-                    piece = conn.recv(40 - len(data))
+            if not self._answering.acquire(blocking=False):
+                conn.close()  # (a flood: no thread each)
+                continue
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn: socket.socket) -> None:
+        data = b""
+        try:
+            conn.settimeout(2.0)
+            with contextlib.suppress(OSError):  # (a short frame, timed out: refused below)
+                while len(data) < _FRAME:
+                    piece = conn.recv(_FRAME - len(data))
                     if not piece:
                         break
                     data += piece
-                generation = int.from_bytes(data[:8], "big")
-                if len(data) == 40 and hmac.compare_digest(data, self._token(generation)):
-                    if generation > self.generation:  # (else a late call for a done one)
-                        self.kicked.set()
-                else:
-                    self.refused += 1
-                    log.warning("re-form: refused an unauthenticated call (%d so far)",
-                                self.refused)  # fmt: skip
-            except OSError:
-                pass
-            finally:
-                conn.close()
+            kind, generation = data[:1], int.from_bytes(data[1:9], "big")
+            if (
+                len(data) != _FRAME
+                or kind not in (b"C", b"P")
+                or not hmac.compare_digest(data, self._frame(kind, generation))
+            ):
+                self.refused += 1
+                log.warning("re-form: refused an unauthenticated frame (%d so far)",
+                            self.refused)  # fmt: skip
+            elif kind == b"P":
+                conn.sendall(self._mac(b"pong", generation))
+            elif generation > self.generation:  # (else a late call for a re-form done)
+                self.kicked.set()
+        except OSError:
+            pass
+        finally:
+            conn.close()
+            self._answering.release()
 
     def _call_all(self, generation: int) -> None:
         """Tell every other member to re-form (at most ``CANDIDATE_S``; the dead refuse)."""
-        token = self._token(generation)
+        frame = self._frame(b"C", generation)
 
         def call(rank: int) -> None:
             host, _, port = self.seats[rank]
@@ -245,7 +294,7 @@ class Reformer:
                 contextlib.suppress(OSError),
                 socket.create_connection((host, port), CANDIDATE_S) as c,
             ):
-                c.sendall(token)
+                c.sendall(frame)
 
         threads = [threading.Thread(target=call, args=(r,), daemon=True)
                    for r in self.seat.members if r != self.seat.rank]  # fmt: skip
@@ -254,13 +303,26 @@ class Reformer:
         for thread in threads:
             thread.join(CANDIDATE_S + 1.0)
 
-    # -- the rendezvous --------------------------------------------------------------------------
-
     def _answers(self, rank: int, timeout: float) -> bool:
-        host, port, _ = self.seats[rank]
-        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout):
-            return True
-        return False
+        """A ping: True when ``rank`` answers with the run's MAC within ``timeout`` (a dead
+        process refuses, a dead host or a frozen process stays silent)."""
+        host, _, port = self.seats[rank]
+        generation = self.generation + 1
+        try:
+            with socket.create_connection((host, port), timeout) as peer:
+                peer.settimeout(timeout)
+                peer.sendall(self._frame(b"P", generation))
+                data = b""
+                while len(data) < 32:
+                    piece = peer.recv(32 - len(data))
+                    if not piece:
+                        return False
+                    data += piece
+            return hmac.compare_digest(data, self._mac(b"pong", generation))
+        except OSError:
+            return False
+
+    # -- the rendezvous --------------------------------------------------------------------------
 
     def _leader(self) -> int:
         for candidate in self.seat.members:
@@ -275,8 +337,10 @@ class Reformer:
         generation = self.generation + 1
         self._call_all(generation)
         with contextlib.suppress(Exception):
+            broken = dist.distributed_c10d._get_default_group()
+            _ABANDONED.append(broken)  # (its destructor would wait for its parked works)
             if self.backend == "nccl":  # (NCCL's collectives only end by an abort)
-                dist.distributed_c10d._get_default_group().abort()
+                broken.abort()
             dist.destroy_process_group()
         leader = self._leader()
         prefix = f"muster-reform/{generation}/"
@@ -287,13 +351,13 @@ class Reformer:
                 host, port, _ = self.seats[me]
                 store = TCPStore(host, port, None, True, timeout, wait_for_workers=False,
                                  master_listen_fd=os.dup(self._listener.fileno()))  # fmt: skip
-                members = self._gather(store, prefix, old)
+                members = self._gather(store, prefix, old, generation)
             else:
                 host, port, _ = self.seats[leader]
                 store = TCPStore(host, port, None, False, timeout)
                 store.set(f"{prefix}in/{me}", "1")
                 store.wait([f"{prefix}members"], timeout)
-                members = json.loads(store.get(f"{prefix}members"))
+                members = self._read_members(store.get(f"{prefix}members"), generation)
         except (RuntimeError, OSError) as exc:  # (DistError is a RuntimeError)
             raise CohortStopped(
                 f"the survivors could not re-form around rank {leader}: "
@@ -310,12 +374,24 @@ class Reformer:
                                 rank=members.index(me), world_size=len(members))  # fmt: skip
         self._store = store
         self.seat = Seat(me, self.seat.world, tuple(members))
-        gathered = self._gather_seats(report)
         self.generation = generation
+        gathered = self._gather_seats(report)
         self.kicked.clear()
         return self.seat, gathered
 
-    def _gather(self, store: Any, prefix: str, old: Sequence[int]) -> list[int]:
+    def _read_members(self, raw: bytes, generation: int) -> list[int]:
+        """The leader's list, checked: the store takes anyone's writes, the MAC only ours."""
+        try:
+            text, tag = raw.decode().rsplit("|", 1)
+            valid = hmac.compare_digest(bytes.fromhex(tag), self._mac(text.encode(), generation))
+            members = [int(r) for r in json.loads(text)] if valid else None
+        except (ValueError, TypeError):
+            members = None
+        if members is None:
+            raise CohortStopped("the re-formed cohort's member list does not carry the run's MAC")
+        return members
+
+    def _gather(self, store: Any, prefix: str, old: Sequence[int], generation: int) -> list[int]:
         """The leader: wait for every old member to register or stop answering, then name
         the members (none when they are not a majority: every rank stops)."""
         me = self.seat.rank
@@ -337,7 +413,8 @@ class Reformer:
         if pending:
             log.warning("re-form: ranks %s answer but did not come in %.0f s: left out",
                         sorted(pending), self.wait_s)  # fmt: skip
-        store.set(f"{prefix}members", json.dumps(members))
+        text = json.dumps(members)
+        store.set(f"{prefix}members", f"{text}|{self._mac(text.encode(), generation).hex()}")
         return members
 
 
@@ -355,6 +432,9 @@ class CollectiveBackend:
     reforms: list[dict[str, Any]] = field(default_factory=list)  # what each re-form did
     _copies: list[torch.Tensor] = field(default_factory=list)  # host copies, reused
     _void: int | None = None  # sync: the window whose step this rank skips (see decide)
+    # A rank one round behind the others at a re-form plans the next window with the old
+    # members, as the ranks ahead already did (their deal of it stands): that window's number.
+    hold: int | None = None
 
     @property
     def members(self) -> tuple[int, ...] | None:
@@ -369,7 +449,7 @@ class CollectiveBackend:
         tensors = _floating([*model.parameters(), *model.buffers()])
         self._keep(tensors)
         given = side.clone()
-        while True:
+        for _attempt in range(_REFORMS_PER_ROUND):
             progress = self._progress()
             try:
                 return average_round(
@@ -384,14 +464,17 @@ class CollectiveBackend:
                     raise
                 lost = str(exc).splitlines()[0][:200]
             # (out of the except block: its traceback holds the broken group's sockets open)
-            decision = self._reform(lost, window, progress, False, tensors)
-            if decision.kind == "redo":
-                self._put_back(tensors)
-                side.copy_(given)
-                continue
-            if decision.kind == "adopt":
-                self._adopt(decision.source, tensors, with_optimizer=False)
-            return self._result(progress, gamma)
+            with self._repairing(lost, tensors):
+                decision = self._reform(lost, window, progress, False)
+                if decision.kind == "redo":
+                    self._put_back(tensors)
+                    side.copy_(given)
+                    continue
+                if decision.kind == "adopt":
+                    self._adopt(decision.source, tensors, with_optimizer=False)
+                return self._result(progress, gamma)
+        self._put_back(tensors)
+        raise CohortStopped(f"window {window}'s round was re-formed {_REFORMS_PER_ROUND} times")
 
     def step(
         self, model: nn.Module, step: Callable[[], Any], side: torch.Tensor, window: int
@@ -402,8 +485,7 @@ class CollectiveBackend:
         assert self.seat is not None
         if self._void == window:  # (the ranks ahead skipped this step: so does this one)
             self._void = None
-            _drop_grads(model)
-            return RoundResult(False, 0, (0,) * self.seat.world, 0.0, 0, None)
+            return self._voided(model)
         buffers = _floating(model.buffers())
         self._keep(buffers)
         progress = self._progress()
@@ -417,22 +499,45 @@ class CollectiveBackend:
             if not peer_lost(exc):
                 raise
             lost = str(exc).splitlines()[0][:200]
-        decision = self._reform(lost, window, progress, True, buffers)
-        if decision.void_next:
-            self._void = window + 1
-        if decision.kind == "void":
-            self._put_back(buffers)
-            _drop_grads(model)
-            return RoundResult(False, 0, (0,) * self.seat.world, 0.0, 0, None)
-        if decision.kind == "adopt":
-            assert decision.source is not None
-            if decision.source == self.seat.rank and progress.stage == "stepped":
-                self._put_back(buffers)  # (its BUFFER was cut short: its own buffers go)
-            self._adopt(decision.source, _floating(model.parameters()) + buffers,
-                        with_optimizer=True)  # fmt: skip
-        counts = progress.counts or (0,) * self.seat.world
-        n = len(self.seat.members)
-        return RoundResult(True, progress.collectives, counts, 1.0 / n, n, None)
+        with self._repairing(lost, buffers):
+            decision = self._reform(lost, window, progress, True)
+            if decision.void_next:
+                self._void = window + 1
+            if decision.kind == "void":
+                self._put_back(buffers)
+                return self._voided(model)
+            if decision.kind == "adopt":
+                assert decision.source is not None
+                if decision.source == self.seat.rank and progress.stage == "stepped":
+                    self._put_back(buffers)  # (its BUFFER was cut short: its own buffers go)
+                self._adopt(decision.source, _floating(model.parameters()) + buffers,
+                            with_optimizer=True)  # fmt: skip
+            counts = progress.counts or (0,) * self.seat.world
+            n = len(self.seat.members)
+            return RoundResult(True, progress.collectives, counts, 1.0 / n, n, None)
+
+    def _voided(self, model: nn.Module) -> RoundResult:
+        """A sync step no rank takes: the gradients go, the model stays."""
+        assert self.seat is not None
+        for param in model.parameters():
+            param.grad = None
+        return RoundResult(False, 0, (0,) * self.seat.world, 0.0, 0, None)
+
+    @contextlib.contextmanager
+    def _repairing(self, lost: str, kept: list[torch.Tensor]) -> Iterator[None]:
+        """A re-form and its repair either finish, or leave this rank's pre-round tensors in
+        place (for the save) and stop the cohort."""
+        try:
+            yield
+        except CohortStopped as exc:
+            self._put_back(kept)
+            raise CohortStopped(f"a peer was lost in a collective ({lost}); {exc}") from exc
+        except Exception as exc:
+            self._put_back(kept)
+            raise CohortStopped(
+                f"a peer was lost in a collective ({lost}); the survivors' repair failed: "
+                f"{str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}"
+            ) from exc
 
     def _progress(self) -> Progress:
         # (on NCCL the collectives run as before: its work.wait(timeout) would make the CPU
@@ -448,6 +553,7 @@ class CollectiveBackend:
         started = time.monotonic()
         while True:
             if self.reformer is not None and self.reformer.kicked.is_set():
+                _ABANDONED.append(work)  # (dropped, it would wait for the lost peer)
                 raise RuntimeError("muster: a peer is re-forming the cohort (it lost a peer)")
             try:
                 work.wait(_SLICE)
@@ -464,28 +570,16 @@ class CollectiveBackend:
 
     # -- the repair ----------------------------------------------------------------------------
 
-    def _reform(
-        self,
-        lost: str,
-        window: int,
-        progress: Progress,
-        sync: bool,
-        kept: list[torch.Tensor],
-    ) -> Decision:
+    def _reform(self, lost: str, window: int, progress: Progress, sync: bool) -> Decision:
         assert self.reformer is not None
         assert self.seat is not None
         log.warning("rank %d: a peer was lost in window %d (%s, %s): re-forming",
                     self.seat.rank, window, progress.stage, lost)  # fmt: skip
         started = time.monotonic()
-        try:
-            counts = list(progress.counts) if progress.counts is not None else None
-            seat, reports = self.reformer.reform(
-                {"window": window, "stage": progress.stage, "counts": counts}
-            )
-        except CohortStopped as exc:
-            # The save that follows holds this rank's pre-round state, not a half-sum.
-            self._put_back(kept)
-            raise CohortStopped(f"a peer was lost in a collective ({lost}); {exc}") from exc
+        counts = list(progress.counts) if progress.counts is not None else None
+        seat, reports = self.reformer.reform(
+            {"window": window, "stage": progress.stage, "counts": counts}
+        )
         before = self.seat.members
         self.seat = seat
         decision = decide(reports, seat.rank, sync)
@@ -493,6 +587,8 @@ class CollectiveBackend:
             # here but not at the source, which finished the round: its counts are the round's)
             progress.counts = tuple(next(r["counts"] for r in reports
                                          if r["rank"] == decision.source))  # fmt: skip
+        if decision.behind:  # (the ranks ahead dealt the next window to the old members)
+            self.hold = window + 1
         self.reforms.append({
             "window": window, "members": list(seat.members), "lost": sorted(set(before) -
             set(seat.members)), "decision": decision.kind, "seconds": time.monotonic() - started,
@@ -543,12 +639,3 @@ class CollectiveBackend:
     def close(self) -> None:
         if self.reformer is not None:
             self.reformer.close()
-
-
-def _floating(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    return [t for t in tensors if t.is_floating_point()]
-
-
-def _drop_grads(model: nn.Module) -> None:
-    for param in model.parameters():
-        param.grad = None

@@ -417,7 +417,9 @@ def form(
         if fold is not None:
             client = LocalClient(rank, fold, ceilings, wire)
         else:
-            client = StarClient(rank, str(ports[mine[0]]), salt, ceilings, wire)
+            where = ports[mine[0]]  # (a Unix socket's path, or a loopback (host, port))
+            where = str(where) if isinstance(where, str) else (str(where[0]), int(where[1]))
+            client = StarClient(rank, where, salt, ceilings, wire)
         if fold is not None:
             fold.wait_joined()
         if root is not None:

@@ -73,6 +73,7 @@ def chunk_count(n: int) -> int:
 
 HANDSHAKE_S = 10.0
 LOCAL = "local"  # a Hub's ``bind`` for a fold: a Unix socket in a private directory
+_SUN_PATH_MAX = 107  # a Unix socket's path, without its NUL
 MAX_ADMITTING = 64  # handshakes in progress at once; more connections are refused at once
 LEFT = "it left (its ElChe closed)"
 
@@ -247,8 +248,13 @@ class Hub:
         self.address: tuple[str, int] | str
         if bind == LOCAL:  # (a fold: its host's ranks come over a Unix socket: see starwire)
             self._private_dir = tempfile.mkdtemp(prefix="muster-star-")  # (0700)
+            path = os.path.join(self._private_dir, "fold.sock")
+            if len(path.encode()) > _SUN_PATH_MAX:  # (a long TMPDIR: loopback TCP, tagged)
+                os.rmdir(self._private_dir)
+                self._private_dir, bind = None, "127.0.0.1"
+        if self._private_dir is not None:
             self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            self.listener.bind(os.path.join(self._private_dir, "fold.sock"))
+            self.listener.bind(path)
             self.listener.listen(128)
             self.address = self.listener.getsockname()
         else:

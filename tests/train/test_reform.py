@@ -123,8 +123,9 @@ def test_survivors_that_cannot_agree_stop() -> None:
 
 
 def test_a_call_to_re_form_needs_the_runs_key(tmp_path: Path) -> None:
-    """Anyone who reaches a rank's call port could otherwise make the cohort re-form at will:
-    a call without the run's HMAC is refused and counted, and wakes nothing."""
+    """Anyone who reaches a rank's call port could otherwise make the cohort re-form at will,
+    or pass for a live rank: a call or ping without the run's MAC is refused, counted, wakes
+    nothing and gets no answer."""
     import socket
     import time
 
@@ -140,20 +141,30 @@ def test_a_call_to_re_form_needs_the_runs_key(tmp_path: Path) -> None:
     try:
         host, _, calls = reformer.seats[0]
 
-        def call(payload: bytes) -> None:
+        def send(payload: bytes) -> bytes:
             with socket.create_connection((host, calls), 2.0) as peer:
                 peer.sendall(payload)
-            time.sleep(0.3)
+                peer.settimeout(2.0)
+                try:
+                    answer = peer.recv(64)
+                except OSError:
+                    answer = b""
+            time.sleep(0.2)
+            return answer
 
-        call(b"\x00" * 7 + b"\x01" + b"x" * 32)  # (generation 1, a forged tag)
-        call(b"hello")  # (short, then closed)
         forged = Reformer.__new__(Reformer)
         forged._key = b"k" * 32  # (the right form under another run's key)
-        call(forged._token(1))
+        assert send(b"C" + b"\x00" * 7 + b"\x01" + b"x" * 32) == b""  # (a made-up MAC)
+        assert send(b"hello") == b""  # (short, then closed)
+        assert send(forged._frame(b"C", 1)) == b""
+        assert send(forged._frame(b"P", 1)) == b""  # (no pong for another run's ping)
         assert not reformer.kicked.is_set()
-        assert reformer.refused == 3
-        call(reformer._token(1))  # (the run's own key: a peer lost a peer)
+        assert reformer.refused == 4
+        assert reformer._answers(0, 2.0)  # (the run's own ping: answered with its MAC)
+        send(reformer._frame(b"C", 1))  # (the run's own call: a peer lost a peer)
         assert reformer.kicked.is_set()
     finally:
         reformer.close()
         dist.destroy_process_group()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection((host, calls), 1.0).close()  # (closed for good)
