@@ -95,7 +95,8 @@ from muster.errors import CohortLost, CohortStopped, UserError
 from muster.train import checkpoint, flight
 from muster.train.collective import RoundResult, Seat, debug_trace
 from muster.train.mass import MAX_GAMMA
-from muster.train.reform import CollectiveBackend, Reformer, peer_lost
+from muster.train.reform import CollectiveBackend, peer_lost
+from muster.train.reformwire import Reformer
 from muster.train.sampler import WindowSampler
 from muster.train.schedule import ElCheSchedule, WindowReport, WindowSummary, cap_counts
 from muster.train.star import AsyncRound, StarBackend

@@ -40,22 +40,16 @@ the caller passed (``ElChe(group=...)``): both stop with a save, as does ``refor
 The costs of re-forming being possible: one DONE per round, and in cadence mode a host copy
 of the floating-point parameters and buffers at each round (sync: of the buffers).
 
-Who may call: the leader's store, like torchrun's, takes any client that reaches its port.
+The rendezvous itself (the call and ping port, the leader's store) is
+``muster.train.reformwire``; this module is the backend and the repair.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-import hashlib
-import hmac
-import json
 import logging
-import os
 import re
-import secrets
-import socket
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -64,7 +58,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._C._distributed_c10d import PrefixStore, TCPStore
 
 from muster.errors import CohortStopped
 from muster.train.collective import (
@@ -78,16 +71,10 @@ from muster.train.collective import (
     sync_step,
 )
 from muster.train.mass import gamma_shares
+from muster.train.reformwire import ABANDONED, Reformer
 
-CANDIDATE_S = 5.0  # how long a survivor waits for a candidate leader's socket to answer
-_PROBE_EVERY_S = 1.0  # the leader re-checks a member that has not registered yet
 _SLICE = datetime.timedelta(milliseconds=200)  # a collective is waited for in these
-_FRAME = 41  # a call or a ping: kind (1), generation (8), MAC (32)
-_MAX_ANSWERING = 16  # calls and pings answered at once
 _REFORMS_PER_ROUND = 4  # a round re-formed more often than this stops the cohort
-# Process groups and works given up on: their destructors would wait for the collectives a
-# lost peer never joins, so they are kept (their sockets and threads with them) for good.
-_ABANDONED: list[Any] = []
 
 # What gloo and NCCL say when a peer is gone mid-collective (and a peer's call to re-form).
 PEER_LOST = re.compile(
@@ -100,23 +87,6 @@ log = logging.getLogger("muster.train")
 
 def peer_lost(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and bool(PEER_LOST.search(str(error)))
-
-
-def _loopback(host: str) -> bool:
-    return host.startswith("127.") or host in ("::1", "localhost")
-
-
-def route_address() -> str:
-    """This host's address on the route to MASTER_ADDR: the one its peers reach it on."""
-    master = os.environ.get("MASTER_ADDR") or "127.0.0.1"
-    port = int(os.environ.get("MASTER_PORT") or 29500)
-    try:
-        family, _, _, _, where = socket.getaddrinfo(master, port, type=socket.SOCK_DGRAM)[0]
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.connect(where)
-            return str(probe.getsockname()[0])
-    except OSError:
-        return "127.0.0.1"
 
 
 @dataclass(frozen=True)
@@ -154,268 +124,6 @@ def decide(reports: Sequence[dict[str, Any]], me: int, sync: bool) -> Decision:
         source = min(int(r["rank"]) for r in reports if STAGES.index(r["stage"]) == best)
         return Decision("adopt", source)
     return Decision("void" if sync else "redo")
-
-
-class Reformer:
-    """The survivors' rendezvous. Each rank has two listening sockets: one its accept thread
-    answers (calls to re-form, and pings that prove a rank alive and of this run), and one
-    only a leader uses, for the store the survivors meet on."""
-
-    def __init__(self, seat: Seat, backend: str, wait_s: float) -> None:
-        self.seat = seat
-        self.backend = backend
-        self.wait_s = wait_s
-        self.generation = 0
-        self.kicked = threading.Event()  # a peer called this rank to re-form
-        self.refused = 0  # calls and pings that did not authenticate
-        self.usable = True  # False: the seats cannot reach each other (loopback across hosts)
-        self._store: Any = None  # the current generation's store (the leader serves it)
-        self._listener: socket.socket | None = None
-        self._closed = False
-        self._answering = threading.Semaphore(_MAX_ANSWERING)
-        self.seats: dict[int, tuple[str, int, int]] = {}  # rank -> (host, store port, call port)
-        self._caller = socket.create_server((route_address(), 0), backlog=128)
-        try:
-            gathered = self._gather_seats(
-                {"salt": secrets.token_bytes(32).hex(), "host": socket.gethostname()}
-            )
-        except BaseException:
-            self.close()
-            raise
-        hosts = {str(g["host"]) for g in gathered}
-        looped = [int(g["rank"]) for g in gathered if _loopback(g["seat"][0])]
-        if looped and len(hosts) > 1:
-            self.usable = False
-            if seat.rank == min(self.seats):
-                log.warning(
-                    "re-form is off: ranks %s advertise a loopback address across %d hosts "
-                    "(MASTER_ADDR unset, or naming 127.x on its host); a lost peer stops "
-                    "the cohort with a save", looped, len(hosts),
-                )  # fmt: skip
-        threading.Thread(target=self._answer_calls, name="muster-reform-calls", daemon=True).start()
-
-    def _gather_seats(self, extra: dict[str, Any]) -> list[dict[str, Any]]:
-        host, port = self._open()
-        mine = {
-            **extra,
-            "rank": self.seat.rank,
-            "seat": [host, port, self._caller.getsockname()[1]],
-        }
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)
-        self.seats = {int(g["rank"]): (g["seat"][0], int(g["seat"][1]), int(g["seat"][2]))
-                      for g in gathered}  # fmt: skip
-        if "salt" in extra:  # (the lowest rank's salt keys the calls to re-form)
-            self._key = bytes.fromhex(min(gathered, key=lambda g: int(g["rank"]))["salt"])
-        return gathered
-
-    def _open(self) -> tuple[str, int]:
-        listener = socket.create_server((route_address(), 0), backlog=128)
-        old, self._listener = self._listener, listener
-        if old is not None:
-            old.close()
-        return str(listener.getsockname()[0]), int(listener.getsockname()[1])
-
-    def close(self) -> None:
-        self._closed = True
-        for sock in (self._listener, self._caller):
-            if sock is not None:
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)  # (wakes the accept thread: Linux)
-                with contextlib.suppress(OSError):
-                    sock.close()
-        self._listener = None
-        self._store = None
-
-    # -- calls and pings -----------------------------------------------------------------------
-
-    def _mac(self, what: bytes, generation: int) -> bytes:
-        head = generation.to_bytes(8, "big")
-        return hmac.new(self._key, b"muster-reform/" + what + head, hashlib.sha256).digest()
-
-    def _frame(self, kind: bytes, generation: int) -> bytes:
-        return kind + generation.to_bytes(8, "big") + self._mac(kind, generation)
-
-    def _answer_calls(self) -> None:
-        """Accept calls and pings, a thread each (at most a few at once). A call to re-form
-        (a peer lost a peer) sets ``kicked``: a rank parked in a collective with a rank that
-        left it wakes up. A ping is answered with a MAC, which proves this rank alive, its
-        thread running and of this run. Refused frames are counted and logged; the loop
-        goes on until close."""
-        while not self._closed:
-            try:
-                conn, _ = self._caller.accept()
-            except OSError:
-                if self._closed:
-                    return
-                time.sleep(0.1)
-                continue
-            if not self._answering.acquire(blocking=False):
-                conn.close()  # (a flood: no thread each)
-                continue
-            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
-
-    def _answer(self, conn: socket.socket) -> None:
-        data = b""
-        try:
-            conn.settimeout(2.0)
-            with contextlib.suppress(OSError):  # (a short frame, timed out: refused below)
-                while len(data) < _FRAME:
-                    piece = conn.recv(_FRAME - len(data))
-                    if not piece:
-                        break
-                    data += piece
-            kind, generation = data[:1], int.from_bytes(data[1:9], "big")
-            if (
-                len(data) != _FRAME
-                or kind not in (b"C", b"P")
-                or not hmac.compare_digest(data, self._frame(kind, generation))
-            ):
-                self.refused += 1
-                log.warning("re-form: refused an unauthenticated frame (%d so far)",
-                            self.refused)  # fmt: skip
-            elif kind == b"P":
-                conn.sendall(self._mac(b"pong", generation))
-            elif generation > self.generation:  # (else a late call for a re-form done)
-                self.kicked.set()
-        except OSError:
-            pass
-        finally:
-            conn.close()
-            self._answering.release()
-
-    def _call_all(self, generation: int) -> None:
-        """Tell every other member to re-form (at most ``CANDIDATE_S``; the dead refuse)."""
-        frame = self._frame(b"C", generation)
-
-        def call(rank: int) -> None:
-            host, _, port = self.seats[rank]
-            with (
-                contextlib.suppress(OSError),
-                socket.create_connection((host, port), CANDIDATE_S) as c,
-            ):
-                c.sendall(frame)
-
-        threads = [threading.Thread(target=call, args=(r,), daemon=True)
-                   for r in self.seat.members if r != self.seat.rank]  # fmt: skip
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(CANDIDATE_S + 1.0)
-
-    def _answers(self, rank: int, timeout: float) -> bool:
-        """A ping: True when ``rank`` answers with the run's MAC within ``timeout`` (a dead
-        process refuses, a dead host or a frozen process stays silent)."""
-        host, _, port = self.seats[rank]
-        generation = self.generation + 1
-        try:
-            with socket.create_connection((host, port), timeout) as peer:
-                peer.settimeout(timeout)
-                peer.sendall(self._frame(b"P", generation))
-                data = b""
-                while len(data) < 32:
-                    piece = peer.recv(32 - len(data))
-                    if not piece:
-                        return False
-                    data += piece
-            return hmac.compare_digest(data, self._mac(b"pong", generation))
-        except OSError:
-            return False
-
-    # -- the rendezvous --------------------------------------------------------------------------
-
-    def _leader(self) -> int:
-        for candidate in self.seat.members:
-            if candidate == self.seat.rank or self._answers(candidate, CANDIDATE_S):
-                return candidate
-        return self.seat.rank  # (unreachable: this rank is a member)
-
-    def reform(self, report: dict[str, Any]) -> tuple[Seat, list[dict[str, Any]]]:
-        """Re-form the survivors into a new default group; returns this rank's new seat and
-        every member's ``report``. Raises CohortStopped when this rank cannot go on."""
-        me, old = self.seat.rank, self.seat.members
-        generation = self.generation + 1
-        self._call_all(generation)
-        with contextlib.suppress(Exception):
-            broken = dist.distributed_c10d._get_default_group()
-            _ABANDONED.append(broken)  # (its destructor would wait for its parked works)
-            if self.backend == "nccl":  # (NCCL's collectives only end by an abort)
-                broken.abort()
-            dist.destroy_process_group()
-        leader = self._leader()
-        prefix = f"muster-reform/{generation}/"
-        timeout = datetime.timedelta(seconds=self.wait_s)
-        try:
-            if leader == me:
-                assert self._listener is not None
-                host, port, _ = self.seats[me]
-                store = TCPStore(host, port, None, True, timeout, wait_for_workers=False,
-                                 master_listen_fd=os.dup(self._listener.fileno()))  # fmt: skip
-                members = self._gather(store, prefix, old, generation)
-            else:
-                host, port, _ = self.seats[leader]
-                store = TCPStore(host, port, None, False, timeout)
-                store.set(f"{prefix}in/{me}", "1")
-                store.wait([f"{prefix}members"], timeout)
-                members = self._read_members(store.get(f"{prefix}members"), generation)
-        except (RuntimeError, OSError) as exc:  # (DistError is a RuntimeError)
-            raise CohortStopped(
-                f"the survivors could not re-form around rank {leader}: "
-                f"{str(exc).splitlines()[0][:200]}"
-            ) from exc
-        if 2 * len(members) <= len(old):
-            raise CohortStopped(
-                f"only ranks {members} of {list(old)} re-formed: a re-formed cohort needs a "
-                "majority of the last one (so two halves of a split network never both go on)"
-            )
-        if me not in members:
-            raise CohortStopped(f"ranks {members} re-formed without rank {me} (it came late)")
-        dist.init_process_group(self.backend, store=PrefixStore(f"{prefix}group", store),
-                                rank=members.index(me), world_size=len(members))  # fmt: skip
-        self._store = store
-        self.seat = Seat(me, self.seat.world, tuple(members))
-        self.generation = generation
-        gathered = self._gather_seats(report)
-        self.kicked.clear()
-        return self.seat, gathered
-
-    def _read_members(self, raw: bytes, generation: int) -> list[int]:
-        """The leader's list, checked: the store takes anyone's writes, the MAC only ours."""
-        try:
-            text, tag = raw.decode().rsplit("|", 1)
-            valid = hmac.compare_digest(bytes.fromhex(tag), self._mac(text.encode(), generation))
-            members = [int(r) for r in json.loads(text)] if valid else None
-        except (ValueError, TypeError):
-            members = None
-        if members is None:
-            raise CohortStopped("the re-formed cohort's member list does not carry the run's MAC")
-        return members
-
-    def _gather(self, store: Any, prefix: str, old: Sequence[int], generation: int) -> list[int]:
-        """The leader: wait for every old member to register or stop answering, then name
-        the members (none when they are not a majority: every rank stops)."""
-        me = self.seat.rank
-        joined = {me}
-        pending = {r for r in old if r != me}
-        checked: dict[int, float] = {}
-        deadline = time.monotonic() + self.wait_s
-        while pending and time.monotonic() < deadline:
-            for rank in sorted(pending):
-                if store.check([f"{prefix}in/{rank}"]):
-                    joined.add(rank)
-                    pending.discard(rank)
-                elif time.monotonic() - checked.get(rank, -1e9) >= _PROBE_EVERY_S:
-                    checked[rank] = time.monotonic()
-                    if not self._answers(rank, CANDIDATE_S):
-                        pending.discard(rank)  # (its process is gone)
-            time.sleep(0.02)
-        members = sorted(joined)
-        if pending:
-            log.warning("re-form: ranks %s answer but did not come in %.0f s: left out",
-                        sorted(pending), self.wait_s)  # fmt: skip
-        text = json.dumps(members)
-        store.set(f"{prefix}members", f"{text}|{self._mac(text.encode(), generation).hex()}")
-        return members
 
 
 @dataclass
@@ -553,7 +261,7 @@ class CollectiveBackend:
         started = time.monotonic()
         while True:
             if self.reformer is not None and self.reformer.kicked.is_set():
-                _ABANDONED.append(work)  # (dropped, it would wait for the lost peer)
+                ABANDONED.append(work)  # (dropped, it would wait for the lost peer)
                 raise RuntimeError("muster: a peer is re-forming the cohort (it lost a peer)")
             try:
                 work.wait(_SLICE)

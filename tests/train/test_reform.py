@@ -133,7 +133,7 @@ def test_a_call_to_re_form_needs_the_runs_key(tmp_path: Path) -> None:
 
     from muster.cli.local import free_port
     from muster.train.collective import Seat
-    from muster.train.reform import Reformer
+    from muster.train.reformwire import Reformer
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                             world_size=1)  # fmt: skip
