@@ -422,7 +422,7 @@ class ElChe:
             for n, row in zip(counts, rows, strict=True)
         ]
 
-    def _round(self, mine: WindowSummary, last: bool = False) -> None:
+    def _round(self, mine: WindowSummary, last: bool = False, record: bool = True) -> None:
         if self._round_done:  # (sync: it ran in ``step``)
             self.window += 1
             return
@@ -463,7 +463,7 @@ class ElChe:
                 d.norm_before,
                 d.norm_after,
             )
-        if self.mode == "cadence":
+        if self.mode == "cadence" and record:
             self.schedule.record(reports)
         self.window += 1
 
@@ -639,8 +639,8 @@ class ElChe:
         self._resume_cursor = int(place["cursor"])
         if self.mode == "async":
             self.mode = "cadence"
-            try:
-                self._round(WindowSummary(1, None, 0.0, None))
+            try:  # (its timings are none: the schedule does not record it)
+                self._round(WindowSummary(1, None, 0.0, None), record=False)
             finally:
                 self.mode = "async"
         elif self.mode != "sync" and not mine["round_done"]:

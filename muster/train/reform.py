@@ -5,15 +5,17 @@ a peer that dies takes the group with it: gloo raises "Connection closed by peer
 ranks that talk to it, NCCL's watchdog aborts. With three ranks or more, on the default
 process group, the survivors then *re-form* instead of stopping:
 
-1. Each survivor destroys its broken group at once, which closes its sockets, so a rank still
-   parked in a collective (or arriving at its next round) fails there too, instead of waiting
-   for the group's timeout.
-2. Every rank bound a listening socket when the cohort formed, and every rank knows every
-   other's. A survivor walks the members in rank order and takes the first whose socket
-   answers as the leader, giving each candidate ``CANDIDATE_S`` (5 s) to answer: a dead
-   process's port refuses at once, a dead host's times out. So every survivor picks the same
-   leader, the lowest live rank; the leader picks itself once every rank below it failed to
-   answer.
+1. The survivor that sees the loss calls every other member (``muster.train.reformwire``:
+   an HMAC'd frame on a port each rank bound when the cohort formed). Each rank waits for
+   its collectives in 200 ms slices, so a rank parked in one with a survivor wakes when
+   called; the broken group is kept, not destroyed: once an optimizer exists torch holds it
+   from elsewhere, and a destructor would wait for the lost peer anyway. A host that dies
+   without a word fails no collective: a collective waited on for 30 s pings the members.
+2. A survivor walks the members in rank order and takes as leader the first that answers a
+   ping with the run's MAC, giving each candidate ``CANDIDATE_S`` (5 s): a dead process
+   refuses at once, a dead host or a frozen process stays silent. Survivors that see the
+   same ranks alive pick the same leader, the lowest live rank; if they do not (a rank
+   dying meanwhile), the majority rule below keeps a split from training twice.
 3. The leader hosts a ``TCPStore`` on its listening socket; each survivor registers there. The
    leader waits (at most ``wait_s``) until every member of the old cohort has registered or
    stopped answering, then names the new members: only a strict majority of the old cohort
@@ -37,8 +39,9 @@ process group, the survivors then *re-form* instead of stopping:
 
 A cohort of two cannot re-form (one survivor is not a majority), nor can a cohort on a group
 the caller passed (``ElChe(group=...)``): both stop with a save, as does ``reform=False``.
-The costs of re-forming being possible: one DONE per round, and in cadence mode a host copy
-of the floating-point parameters and buffers at each round (sync: of the buffers).
+The costs of re-forming being possible: one DONE per round, a host copy of the
+floating-point parameters and buffers at each cadence round (of the buffers at each sync
+step), with one ``cuda.synchronize`` for it when the model is on a GPU.
 
 The rendezvous itself (the call and ping port, the leader's store) is
 ``muster.train.reformwire``; this module is the backend and the repair.
@@ -71,15 +74,17 @@ from muster.train.collective import (
     sync_step,
 )
 from muster.train.mass import gamma_shares
-from muster.train.reformwire import ABANDONED, Reformer
+from muster.train.reformwire import ABANDONED, CANDIDATE_S, Reformer
 
 _SLICE = datetime.timedelta(milliseconds=200)  # a collective is waited for in these
 _REFORMS_PER_ROUND = 4  # a round re-formed more often than this stops the cohort
+_LIVENESS_S = 30.0  # a collective waited on this long pings the members (or stall_s / 4)
 
 # What gloo and NCCL say when a peer is gone mid-collective (and a peer's call to re-form).
 PEER_LOST = re.compile(
-    r"Connection (closed|reset|refused)|Broken pipe|Read error|Write error|[Tt]imed out"
-    r"|NCCL (error|communicator)|[Ww]atchdog|re-forming the cohort"
+    r"Connection (closed|reset|refused)|Broken pipe|Read error|writev |No route to host"
+    r"|[Uu]nreachable|[Tt]imed out|NCCL (error|communicator)|[Ww]atchdog"
+    r"|re-forming the cohort|stopped answering"
 )
 
 log = logging.getLogger("muster.train")
@@ -218,8 +223,10 @@ class CollectiveBackend:
                 assert decision.source is not None
                 if decision.source == self.seat.rank and progress.stage == "stepped":
                     self._put_back(buffers)  # (its BUFFER was cut short: its own buffers go)
-                self._adopt(decision.source, _floating(model.parameters()) + buffers,
-                            with_optimizer=True)  # fmt: skip
+                every = _floating(model.parameters()) + list(buffers)
+                self._keep(every)  # (a broadcast cut short puts all of it back, not a mix)
+                buffers[:] = every  # (what _repairing puts back)
+                self._adopt(decision.source, every, with_optimizer=True)
             counts = progress.counts or (0,) * self.seat.world
             n = len(self.seat.members)
             return RoundResult(True, progress.collectives, counts, 1.0 / n, n, None)
@@ -246,6 +253,9 @@ class CollectiveBackend:
                 f"a peer was lost in a collective ({lost}); the survivors' repair failed: "
                 f"{str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}"
             ) from exc
+        except BaseException:  # (Ctrl-C mid-rendezvous: the tensors still go back)
+            self._put_back(kept)
+            raise
 
     def _progress(self) -> Progress:
         # (on NCCL the collectives run as before: its work.wait(timeout) would make the CPU
@@ -258,9 +268,9 @@ class CollectiveBackend:
         stop the cohort when it has waited ``stall_s`` (a rank alive but never coming: a lost
         one makes the collective fail instead). gloo only: on NCCL the watchdog is the
         ceiling."""
-        started = time.monotonic()
+        started = checked = time.monotonic()
         while True:
-            if self.reformer is not None and self.reformer.kicked.is_set():
+            if self.reformer is not None and self.reformer.kicked:
                 ABANDONED.append(work)  # (dropped, it would wait for the lost peer)
                 raise RuntimeError("muster: a peer is re-forming the cohort (it lost a peer)")
             try:
@@ -269,12 +279,27 @@ class CollectiveBackend:
             except RuntimeError as exc:
                 if "Operation timed out" not in str(exc):
                     raise
+            every = min(_LIVENESS_S, (self.stall_s or _LIVENESS_S) / 4)
+            if self.reformer is not None and time.monotonic() - checked > every:
+                # A host that died without a word (no FIN, no RST) fails no collective: a
+                # long wait asks every member for a sign of life.
+                self._check_members(work)
+                checked = time.monotonic()
             waited = time.monotonic() - started
             if self.stall_s is not None and waited > self.stall_s:
                 raise CohortStopped(
                     f"a collective stalled: no answer in {waited:.0f} s (stall_s) while no "
                     "peer was lost: a rank is alive but not coming (wedged, or far slower)"
                 )
+
+    def _check_members(self, work: Any) -> None:
+        assert self.reformer is not None
+        assert self.seat is not None
+        silent = [r for r in self.seat.members if r != self.seat.rank
+                  and not self.reformer.answers(r, CANDIDATE_S, kick=False)]  # fmt: skip
+        if silent:
+            ABANDONED.append(work)
+            raise RuntimeError(f"muster: ranks {silent} stopped answering (a lost peer)")
 
     # -- the repair ----------------------------------------------------------------------------
 

@@ -5,10 +5,11 @@ Each rank binds two sockets when the cohort forms, on its address on the route t
 hands out the run's key, the lowest rank's salt):
 
 - the *call port*, answered by an accept thread (a thread per connection, 16 at most): a
-  *call* (a peer lost a peer: re-form) sets ``kicked``, which wakes a rank parked in a
-  collective; a *ping* is answered with a MAC, which proves the rank alive, its thread
-  running and of this run. Both frames carry an HMAC-SHA256 under the run's key; others are
-  refused, counted and logged;
+  *call* (a peer lost a peer: re-form) marks the rank ``kicked``, which wakes it where it is
+  parked in a collective; a *ping* is answered with a MAC, which proves the rank alive, its
+  thread running and of this run (a ping for a re-form this rank has not joined kicks it too:
+  the leader's pings every second repeat a call that was missed). Both frames carry an
+  HMAC-SHA256 under the run's key; others are refused, counted and logged;
 - the *store port*, never accepted on until its rank leads a re-form: then a ``TCPStore``
   takes it over (``master_listen_fd``), and the survivors register there.
 
@@ -77,7 +78,7 @@ class Reformer:
         self.backend = backend
         self.wait_s = wait_s
         self.generation = 0
-        self.kicked = threading.Event()  # a peer called this rank to re-form
+        self.called = 0  # the highest re-form generation a peer called this rank to
         self.refused = 0  # calls and pings that did not authenticate
         self.usable = True  # False: the seats cannot reach each other (loopback across hosts)
         self._store: Any = None  # the current generation's store (the leader serves it)
@@ -147,12 +148,17 @@ class Reformer:
     def _frame(self, kind: bytes, generation: int) -> bytes:
         return kind + generation.to_bytes(8, "big") + self._mac(kind, generation)
 
+    @property
+    def kicked(self) -> bool:
+        """A peer called a re-form this rank has not joined yet."""
+        return self.called > self.generation
+
     def _answer_calls(self) -> None:
-        """Accept calls and pings, a thread each (at most a few at once). A call to re-form
-        (a peer lost a peer) sets ``kicked``: a rank parked in a collective with a rank that
-        left it wakes up. A ping is answered with a MAC, which proves this rank alive, its
-        thread running and of this run. Refused frames are counted and logged; the loop
-        goes on until close."""
+        """Accept calls and pings, a thread each (at most a few at once; the others wait
+        in the backlog). A call to re-form (a peer lost a peer) sets ``kicked``: a rank
+        parked in a collective with a rank that left it wakes up. A ping is answered
+        with a MAC, which proves this rank alive, its thread running and of this run.
+        Refused frames are counted and logged; the loop goes on until close."""
         while not self._closed:
             try:
                 conn, _ = self._caller.accept()
@@ -161,17 +167,16 @@ class Reformer:
                     return
                 time.sleep(0.1)
                 continue
-            if not self._answering.acquire(blocking=False):
-                conn.close()  # (a flood: no thread each)
-                continue
+            self._answering.acquire()  # (each answer ends within 2 s: the queue moves)
             threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
 
     def _answer(self, conn: socket.socket) -> None:
         data = b""
+        deadline = time.monotonic() + 2.0  # (for the whole frame: not 2 s a byte)
         try:
-            conn.settimeout(2.0)
             with contextlib.suppress(OSError):  # (a short frame, timed out: refused below)
-                while len(data) < _FRAME:
+                while len(data) < _FRAME and (left := deadline - time.monotonic()) > 0:
+                    conn.settimeout(left)
                     piece = conn.recv(_FRAME - len(data))
                     if not piece:
                         break
@@ -185,10 +190,11 @@ class Reformer:
                 self.refused += 1
                 log.warning("re-form: refused an unauthenticated frame (%d so far)",
                             self.refused)  # fmt: skip
-            elif kind == b"P":
-                conn.sendall(self._mac(b"pong", generation))
-            elif generation > self.generation:  # (else a late call for a re-form done)
-                self.kicked.set()
+            else:
+                if generation > self.generation:  # (else a late call, or a plain ping)
+                    self.called = max(self.called, generation)
+                if kind == b"P":
+                    conn.sendall(self._mac(b"pong", generation))
         except OSError:
             pass
         finally:
@@ -214,30 +220,39 @@ class Reformer:
         for thread in threads:
             thread.join(CANDIDATE_S + 1.0)
 
-    def _answers(self, rank: int, timeout: float) -> bool:
-        """A ping: True when ``rank`` answers with the run's MAC within ``timeout`` (a dead
-        process refuses, a dead host or a frozen process stays silent)."""
+    def answers(self, rank: int, timeout: float, kick: bool = True) -> bool:
+        """A ping: True when ``rank`` answers with the run's MAC within ``timeout``. A dead
+        process refuses, a dead host or a frozen process stays silent: dead; a connection
+        reset or closed early (a busy port) is tried again until ``timeout``. ``kick``: the
+        ping is for the next re-form (it calls the rank to it too)."""
         host, _, port = self.seats[rank]
-        generation = self.generation + 1
-        try:
-            with socket.create_connection((host, port), timeout) as peer:
-                peer.settimeout(timeout)
-                peer.sendall(self._frame(b"P", generation))
-                data = b""
-                while len(data) < 32:
-                    piece = peer.recv(32 - len(data))
-                    if not piece:
-                        return False
-                    data += piece
-            return hmac.compare_digest(data, self._mac(b"pong", generation))
-        except OSError:
-            return False
+        generation = self.generation + (1 if kick else 0)
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            data = b""
+            try:
+                with socket.create_connection((host, port), left) as peer:
+                    peer.settimeout(max(0.05, deadline - time.monotonic()))
+                    peer.sendall(self._frame(b"P", generation))
+                    while len(data) < 32:
+                        piece = peer.recv(32 - len(data))
+                        if not piece:
+                            break
+                        data += piece
+            except (ConnectionRefusedError, TimeoutError):
+                return False
+            except OSError:
+                pass
+            if len(data) == 32:
+                return hmac.compare_digest(data, self._mac(b"pong", generation))
+            time.sleep(0.1)
+        return False
 
     # -- the rendezvous --------------------------------------------------------------------------
 
     def _leader(self) -> int:
         for candidate in self.seat.members:
-            if candidate == self.seat.rank or self._answers(candidate, CANDIDATE_S):
+            if candidate == self.seat.rank or self.answers(candidate, CANDIDATE_S):
                 return candidate
         return self.seat.rank  # (unreachable: this rank is a member)
 
@@ -281,13 +296,14 @@ class Reformer:
             )
         if me not in members:
             raise CohortStopped(f"ranks {members} re-formed without rank {me} (it came late)")
+        # (its timeout: twice the stall ceiling, which the sliced waits enforce first)
         dist.init_process_group(self.backend, store=PrefixStore(f"{prefix}group", store),
-                                rank=members.index(me), world_size=len(members))  # fmt: skip
+                                rank=members.index(me), world_size=len(members),
+                                timeout=datetime.timedelta(seconds=2 * self.wait_s))  # fmt: skip
         self._store = store
         self.seat = Seat(me, self.seat.world, tuple(members))
-        self.generation = generation
+        self.generation = generation  # (calls for this one or older no longer kick)
         gathered = self._gather_seats(report)
-        self.kicked.clear()
         return self.seat, gathered
 
     def _read_members(self, raw: bytes, generation: int) -> list[int]:
@@ -317,7 +333,7 @@ class Reformer:
                     pending.discard(rank)
                 elif time.monotonic() - checked.get(rank, -1e9) >= _PROBE_EVERY_S:
                     checked[rank] = time.monotonic()
-                    if not self._answers(rank, CANDIDATE_S):
+                    if not self.answers(rank, CANDIDATE_S):
                         pending.discard(rank)  # (its process is gone)
             time.sleep(0.02)
         members = sorted(joined)

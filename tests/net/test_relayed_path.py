@@ -246,7 +246,8 @@ def test_a_direct_pair_that_loses_its_path_goes_on_through_the_relays(
         assert time.monotonic() < deadline, rig.log_tails()
         time.sleep(0.5)
     release.write_text("")
-    job = rig.wait_done(job_id, timeout=120)
+    # (a pass ends within seconds of the release; the open bug above hangs it: fail sooner)
+    job = rig.wait_done(job_id, timeout=45)
     assert job["state"] == "succeeded", (job["root_cause"], rig.log_tails())
     said = rig.log(h1, "agent").read_text() + rig.log(h2, "agent").read_text()
     assert "through the relays now" in said, said[-3000:]

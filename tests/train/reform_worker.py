@@ -6,6 +6,8 @@ argv: OUT_DIR SCENARIO KILL [SAVE], SCENARIO one of
   two epochs: the rounds they saw, their final parameters, their re-forms;
 - minority: 3 ranks; ranks 1 and 2 die at once: rank 0 alone is no majority and stops with
   a save (SAVE);
+- freeze: as cadence, but rank KILL is SIGSTOPped (silent, its sockets open), stall_s 8 s:
+  the survivors' waits ping the members, find it silent and re-form without it;
 - stall: 2 ranks under one torchrun; rank 1 sleeps past stall_s (3 s) in its window: rank 0
   stops with a save (SAVE) saying the collective stalled.
 """
@@ -60,12 +62,19 @@ def stall(rank: int, save: str) -> dict[str, object]:
     return {"stopped": None}
 
 
-def train(rank: int, mode: str, kill: set[int], save: str | None) -> dict[str, object]:
+def train(
+    rank: int,
+    mode: str,
+    kill: set[int],
+    save: str | None,
+    how: signal.Signals = signal.SIGKILL,
+    stall_s: float = 60.0,
+) -> dict[str, object]:
     x, y = data(64 * 32)
     model = net(rank)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     elche = ElChe(model, optimizer, dataset_size=len(x), batch_size=32, mode=mode,  # type: ignore[arg-type]
-                  anchor_batches=2, save=save, stall_s=60.0)  # fmt: skip
+                  anchor_batches=2, save=save, stall_s=stall_s)  # fmt: skip
     seen: list[dict[str, object]] = []
     losses: list[float] = []
     try:
@@ -76,7 +85,7 @@ def train(rank: int, mode: str, kill: set[int], save: str | None) -> dict[str, o
                 elche.step(loss)
                 dies = elche.window == 2 and n > 0 if mode == "cadence" else elche.window == 5
                 if rank in kill and dies:
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    os.kill(os.getpid(), how)
                 if rank == 1 and elche.window == 2:
                     time.sleep(0.05)  # (a slower rank: the windows' counts differ)
                 last = elche.last_round
@@ -105,6 +114,8 @@ def main() -> None:
     rank = dist.get_rank()
     if scenario == "stall":
         result = stall(rank, rest[0])
+    elif scenario == "freeze":  # (a host gone without a word: no FIN, no RST)
+        result = train(rank, "cadence", {int(kill)}, None, signal.SIGSTOP, stall_s=8.0)
     elif scenario == "minority":
         result = train(rank, "cadence", {1, 2}, rest[0])
     else:

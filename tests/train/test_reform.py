@@ -44,6 +44,20 @@ def test_cadence_survivors_re_form_and_train_on(tmp_path: Path, killed: int) -> 
     assert float(gap) < 1e-5  # the survivors ended on one model
 
 
+def test_a_silent_rank_is_found_by_its_pings_and_left_out(tmp_path: Path) -> None:
+    """A rank frozen (or its host gone without a word) fails no collective: the survivors'
+    long wait pings the members, the frozen one does not answer, and they re-form."""
+    nodes(tmp_path, "freeze", [1, 1, 1], "2", survivors=2, worker=WORKER)
+    a, b = results(tmp_path, [0, 1])
+    for seen in (a, b):
+        assert seen["stopped"] is None, seen
+        assert seen["reforms"][0]["members"] == [0, 1], seen["reforms"]
+        assert seen["reforms"][0]["lost"] == [2]
+        assert seen["rounds"][-1]["alive"] == [0, 1]
+    gap = (torch.tensor(a["model"]) - torch.tensor(b["model"])).abs().max()
+    assert float(gap) < 1e-5
+
+
 def test_sync_survivors_re_form_and_keep_one_model(tmp_path: Path) -> None:
     codes = nodes(tmp_path, "sync", [1, 1, 1], "1", survivors=2, expect=[0, 2], exits=(1,),
                   worker=WORKER)  # fmt: skip
@@ -158,11 +172,12 @@ def test_a_call_to_re_form_needs_the_runs_key(tmp_path: Path) -> None:
         assert send(b"hello") == b""  # (short, then closed)
         assert send(forged._frame(b"C", 1)) == b""
         assert send(forged._frame(b"P", 1)) == b""  # (no pong for another run's ping)
-        assert not reformer.kicked.is_set()
+        assert not reformer.kicked
         assert reformer.refused == 4
-        assert reformer._answers(0, 2.0)  # (the run's own ping: answered with its MAC)
+        assert reformer.answers(0, 2.0, kick=False)  # (the run's own ping: its MAC back)
+        assert not reformer.kicked  # (a plain ping calls no re-form)
         send(reformer._frame(b"C", 1))  # (the run's own call: a peer lost a peer)
-        assert reformer.kicked.is_set()
+        assert reformer.kicked
     finally:
         reformer.close()
         dist.destroy_process_group()
