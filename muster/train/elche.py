@@ -646,7 +646,9 @@ class ElChe:
         elif self.mode != "sync" and not mine["round_done"]:
             # The saved window's round never ran (a stall, or a save mid-window): run it now,
             # each rank with the batches it had run (0 at a round boundary: then it is idle).
-            self._round(WindowSummary(int(mine["window_batches"]), None, 0.0, None))
+            self._round(
+                WindowSummary(int(mine["window_batches"]), None, 0.0, None), record=False
+            )  # (no timings: the schedule does not record it)
 
     def close(self) -> None:
         """Leave the cohort (the star's links and hubs); the process group stays the caller's.

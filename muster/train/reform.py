@@ -55,6 +55,7 @@ import logging
 import re
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -221,7 +222,7 @@ class CollectiveBackend:
                 return self._voided(model)
             if decision.kind == "adopt":
                 assert decision.source is not None
-                if decision.source == self.seat.rank and progress.stage == "stepped":
+                if progress.stage == "stepped":
                     self._put_back(buffers)  # (its BUFFER was cut short: its own buffers go)
                 every = _floating(model.parameters()) + list(buffers)
                 self._keep(every)  # (a broadcast cut short puts all of it back, not a mix)
@@ -279,7 +280,7 @@ class CollectiveBackend:
             except RuntimeError as exc:
                 if "Operation timed out" not in str(exc):
                     raise
-            every = min(_LIVENESS_S, (self.stall_s or _LIVENESS_S) / 4)
+            every = min(_LIVENESS_S, self.stall_s / 4) if self.stall_s else _LIVENESS_S
             if self.reformer is not None and time.monotonic() - checked > every:
                 # A host that died without a word (no FIN, no RST) fails no collective: a
                 # long wait asks every member for a sign of life.
@@ -295,8 +296,12 @@ class CollectiveBackend:
     def _check_members(self, work: Any) -> None:
         assert self.reformer is not None
         assert self.seat is not None
-        silent = [r for r in self.seat.members if r != self.seat.rank
-                  and not self.reformer.answers(r, CANDIDATE_S, kick=False)]  # fmt: skip
+        reformer = self.reformer
+        others = [r for r in self.seat.members if r != self.seat.rank]
+        with ThreadPoolExecutor(max_workers=min(16, max(1, len(others)))) as pool:
+            heard = list(pool.map(lambda r: reformer.answers(r, CANDIDATE_S, kick=False),
+                                  others))  # fmt: skip
+        silent = [r for r, ok in zip(others, heard, strict=True) if not ok]
         if silent:
             ABANDONED.append(work)
             raise RuntimeError(f"muster: ranks {silent} stopped answering (a lost peer)")
