@@ -4,7 +4,7 @@ The controller is a real ``muster server`` subprocess (LocalCluster, no real age
 SQLite and, when a throwaway server can be started, PostgreSQL. 200 simulated agents (one
 asyncio process) speak the real wire protocol: handshake with the join secret, INVENTORY,
 heartbeats at the controller's interval, RENDEZVOUS_READY for PREPARE_RENDEZVOUS,
-MEMBER_STARTED for ASSIGN, then after ``--run-time`` MEMBER_EXITED 0, ARTIFACTS_DONE and a
+MASTER_CHECKED for MASTER_CHECK, MEMBER_STARTED for ASSIGN, then after ``--run-time`` MEMBER_EXITED 0, ARTIFACTS_DONE and a
 fresh INVENTORY (as the real agent does). 1,000 jobs of 2-8 members go in through the
 HTTP API (muster.client.Client, several submitting threads) while a paced reader calls
 GET /v1/jobs and GET /v1/jobs/{id}.
@@ -200,6 +200,11 @@ class SimAgent:
             ready = {"job": body["job"], "epoch": body["epoch"], "node_rank": 0}
             ready |= {"addr": self.inventory["advertise_address"], "port": 29500}
             self._spawn(self.send(Kind.RENDEZVOUS_READY, ready))
+        elif kind is Kind.MASTER_CHECK:
+            # The real agent dials node 0's held port and reads the job Python's versions.
+            ids = {k: body.get(k) for k in ("job", "epoch", "node_rank")}
+            found = {"error": None, "torch": self.inventory["torch_version"], "nccl": None}
+            self._spawn(self.send(Kind.MASTER_CHECKED, {**ids, **found}))
         elif kind is Kind.ASSIGN:
             job = str(body["job"])
             self.stats.assigned.setdefault(job, []).append(now)
