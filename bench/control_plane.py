@@ -4,7 +4,8 @@ The controller is a real ``muster server`` subprocess (LocalCluster, no real age
 SQLite and, when a throwaway server can be started, PostgreSQL. 200 simulated agents (one
 asyncio process) speak the real wire protocol: handshake with the join secret, INVENTORY,
 heartbeats at the controller's interval, RENDEZVOUS_READY for PREPARE_RENDEZVOUS,
-MASTER_CHECKED for MASTER_CHECK, MEMBER_STARTED for ASSIGN, then after ``--run-time`` MEMBER_EXITED 0, ARTIFACTS_DONE and a
+MASTER_CHECKED for MASTER_CHECK, MEMBER_STARTED for ASSIGN, then after ``--run-time``
+MEMBER_EXITED 0, ARTIFACTS_DONE and a
 fresh INVENTORY (as the real agent does). 1,000 jobs of 2-8 members go in through the
 HTTP API (muster.client.Client, several submitting threads) while a paced reader calls
 GET /v1/jobs and GET /v1/jobs/{id}.

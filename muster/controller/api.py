@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import PurePosixPath
 from typing import Any, Literal
 
-import orjson
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import FileResponse
 
@@ -98,14 +97,9 @@ async def _json_object(request: Request) -> dict[str, Any]:
 
 @users.get("/jobs", response_model=list[dict[str, Any]])
 async def list_jobs(request: Request) -> Response:
-    # Read and encoded off the event loop, without FastAPI's per-item validation: a
-    # dashboard polls this with thousands of jobs while the controller is placing.
-    st = store(request)
-
-    def encoded() -> bytes:
-        return orjson.dumps([job_summary(j) for j in st.job_summaries()])
-
-    body = await controller(request).db(encoded)
+    # Built by the database (the store's job_listing), without FastAPI's per-item
+    # validation: a dashboard polls this with thousands of jobs while the controller places.
+    body = await controller(request).db(store(request).job_listing)
     return Response(body, media_type="application/json")
 
 
@@ -118,13 +112,17 @@ async def job_detail(
     st: Store, ctl: Controller, job_id: str, events_last: int | None = None
 ) -> dict[str, Any]:
     """A job as ``muster describe`` and the dashboard show it (the dashboard: only the newest
-    ``events_last`` events, and ``events_total``)."""
-    job = await ctl.db(st.job, job_id)
-    spec = st.job_spec(job)
-    plan = rank_plan(spec)
-    members = await ctl.db(st.members, job_id)
-    events = await ctl.db(st.events, job_id, events_last)
-    conditions = await ctl.db(st.conditions, job_id)
+    ``events_last`` events, and ``events_total``). Read and built in one trip to a worker
+    thread: under load each trip waits its turn for the event loop."""
+    return await ctl.db(_job_detail, st, job_id, events_last)
+
+
+def _job_detail(st: Store, job_id: str, events_last: int | None) -> dict[str, Any]:
+    job = st.job(job_id)
+    plan = rank_plan(st.job_spec(job))
+    members = st.members(job_id)
+    events = st.events(job_id, events_last)
+    conditions = st.conditions(job_id)
     return {
         **job_summary(job),
         "spec": job.spec,
@@ -153,7 +151,7 @@ async def job_detail(
             {"type": c.type, "status": c.status, "reason": c.reason, "message": c.message}
             for c in conditions
         ],
-        **({"events_total": await ctl.db(st.event_count, job_id)} if events_last else {}),
+        **({"events_total": st.event_count(job_id)} if events_last else {}),
     }
 
 

@@ -89,9 +89,10 @@ from muster.spec import (
     PathClass,
     WorkerInventory,
     WorkerState,
+    WorkerView,
 )
 from muster.store import Store
-from muster.store.jobs import reason_gist
+from muster.store.hot import reason_gist
 from muster.store.writes import (
     ConditionWrite,
     EventWrite,
@@ -100,6 +101,7 @@ from muster.store.writes import (
     MemberStateWrite,
     ReleaseWrite,
     RendezvousWrite,
+    WhyPendingWrite,
     WorkerStateWrite,
     Write,
 )
@@ -500,15 +502,33 @@ class Controller:
             started = time.perf_counter()
             if self.exiting:
                 return  # the links are closing: nothing placed now could be started
-            queued = await self.db(self.store.queued)
+            queued, workers, stored = await self.db(self._pass_reads)
             if not queued and not self.windows.wanted and not self.windows.entries:
                 return
             try:
-                await self._place(queued, started)
+                await self._place(queued, workers, stored, started)
             finally:
                 self.metrics.scheduler_pass.observe(time.perf_counter() - started)
 
-    async def _place(self, queued: list[tuple[str, int, str | None]], started: float) -> None:
+    def _pass_reads(
+        self,
+    ) -> tuple[list[tuple[str, int, str | None]], list[WorkerView], dict[str, dict[str, Any]]]:
+        """What a pass reads, in one trip to a worker thread (under load each trip waits its
+        turn on the event loop): the queue, every worker, and the specs not validated yet.
+        (``_specs`` changes only in a pass, and the pass holds the lock.)"""
+        queued = self.store.queued()
+        if not queued and not self.windows.wanted and not self.windows.entries:
+            return queued, [], {}
+        new = [job_id for job_id, _seq, _bundle in queued if job_id not in self._specs]
+        return queued, self.store.workers(), self.store.specs(new) if new else {}
+
+    async def _place(
+        self,
+        queued: list[tuple[str, int, str | None]],
+        workers: list[WorkerView],
+        stored: dict[str, dict[str, Any]],
+        started: float,
+    ) -> None:
         """One pass over a non-empty queue (the lock held)."""
         # Only workers with a live link: a lost one may still read idle until the group
         # commit of its OFFLINE lands.
@@ -516,14 +536,12 @@ class Controller:
         # the worker is free for before this pass, and would overwrite a reservation made now.
         linked = [
             v
-            for v in await self.db(self.store.workers)
+            for v in workers
             if v.inventory.id in self.links and v.inventory.id not in self._recording
         ]
         # A walk-in (muster join) serves the window of its job only.
         views = [v for v in linked if v.inventory.join is None]
         walk_ins = [v for v in linked if v.inventory.join is not None]
-        new = [job_id for job_id, _seq, _bundle in queued if job_id not in self._specs]
-        stored = await self.db(self.store.specs, new) if new else {}
         jobs = []
         windowed: dict[str, JobSpec] = {}
         for job_id, seq, _bundle in queued:
@@ -571,9 +589,13 @@ class Controller:
             else:
                 pending[decision.job_id] = outcome.reason
         # Every gang of the pass reserved in one transaction (each all or nothing).
-        reserved = await self.db(
-            self.store.reserve_placements,
-            [(job_id, p.worker_ids, p.path.value) for job_id, p in placements.items()],
+        reserved = (
+            await self.db(
+                self.store.reserve_placements,
+                [(job_id, p.worker_ids, p.path.value) for job_id, p in placements.items()],
+            )
+            if placements
+            else {}
         )
         for job_id, outcome in placements.items():
             epoch = reserved[job_id]
@@ -594,10 +616,9 @@ class Controller:
                 for job_id, reason in due.items()
                 if (write := self._collision_change(job_id, reason)) is not None
             ]
-            if changed:
-                self.writer.submit(changed)
-            # One transaction, and only the reasons that changed are written.
-            await self.db(self.store.set_why_pending_many, due)
+            # With the group commit, not awaited: only the reasons that changed are
+            # written, and only on jobs still queued when it commits.
+            self.writer.submit([*changed, WhyPendingWrite(due)])
             written = time.monotonic()
             self._why.update((job_id, (reason, written)) for job_id, reason in due.items())
 

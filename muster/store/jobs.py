@@ -42,7 +42,7 @@ from muster.store.models import (
 )
 
 JOB_ID_ATTEMPTS = 16  # ids drawn before giving up; at 40 bits a second draw is already rare
-WHY_PENDING_CHUNK = 500  # job ids per IN (...) when reading why_pending
+IDS_PER_READ = 500  # job ids per IN (...)
 
 
 def new_job_id(name: str) -> str:
@@ -105,6 +105,17 @@ class JobRepository(Repository):
             rows = s.execute(select(*_SUMMARY).order_by(Job.seq)).all()
             return [JobSummary._make(row) for row in rows]
 
+    def job_listing(self) -> bytes:
+        """GET /v1/jobs's answer: every job's listing columns (``api.job_summary``'s
+        fields), in submission order, as a JSON array built by the database in one
+        statement. A dashboard polls this with thousands of jobs while the controller is
+        placing: built row by row in Python it took ~20 ms of the controller's interpreter
+        per call (1,000 jobs), and the fetch gave the interpreter up once per row."""
+        with self.db.read() as s:
+            sql = _LISTING_POSTGRESQL if self.db.dialect == "postgresql" else _LISTING_SQLITE
+            found = s.connection().exec_driver_sql(sql).scalar()
+        return str(found or "[]").encode()
+
     def queued(self) -> list[tuple[str, int, str | None]]:
         """The queued jobs' (id, seq, bundle), in submission order: what a scheduler pass
         reads each time (the specs are read once per job, with ``specs``)."""
@@ -120,7 +131,7 @@ class JobRepository(Repository):
         """The stored specs (JSON, not validated) of ``job_ids``."""
         found: dict[str, dict[str, Any]] = {}
         with self.db.read() as s:
-            for chunk in _chunks(list(job_ids), WHY_PENDING_CHUNK):
+            for chunk in _chunks(list(job_ids), IDS_PER_READ):
                 for job_id, spec in s.execute(select(Job.id, Job.spec).where(Job.id.in_(chunk))):
                     found[str(job_id)] = spec
         return found
@@ -178,33 +189,22 @@ class JobRepository(Repository):
                     add_event(s, "Unplaceable", reason, job=job_id)
 
     def set_why_pending_many(self, reasons: Mapping[str, str | None]) -> int:
-        """Set many jobs' why_pending at once; returns how many changed.
+        """Set many queued jobs' why_pending at once; returns how many changed.
 
         Reads the current values first (no write lock) and, only when some differ, writes
-        those in one transaction, with an "Unplaceable" event when the kind of a reason
-        changes (its first clause: counts inside it move every pass). Ids of jobs that do
-        not exist are skipped.
+        those in one transaction (``hot.why_pending``: with an "Unplaceable" event when the
+        kind of a reason changes). Jobs that do not exist or are not queued are skipped.
         """
-        if not _why_pending_changes(self._why_pending(reasons), reasons):
+        with self.db.read() as s:
+            current = hot.read_why_pending(s.connection(), reasons)
+        if not hot.why_pending_changes(current, reasons):
             return 0
+        events: list[dict[str, Any]] = []
         with self.db.transaction() as s:
             conn = s.connection()
-            previous = _read_why_pending(s, reasons)
-            changes = _why_pending_changes(previous, reasons)
-            events = [
-                # An event when the kind of reason changes (its first clause), not each time
-                # a count in it moves: the column always holds the latest words.
-                hot.event_row("Unplaceable", reason, job=job_id)
-                for job_id, reason in changes.items()
-                if reason and reason_gist(reason) != reason_gist(previous.get(job_id))
-            ]
-            hot.set_why_pending(conn, changes)
+            changed = hot.why_pending(conn, reasons, events)
             hot.insert_events(conn, events)
-            return len(changes)
-
-    def _why_pending(self, job_ids: Iterable[str]) -> dict[str, str | None]:
-        with self.db.read() as s:
-            return _read_why_pending(s, job_ids)
+            return changed
 
     # ---- placement -----------------------------------------------------------------------
 
@@ -383,27 +383,6 @@ def member_state_in(
     return member
 
 
-def _read_why_pending(s: Session, job_ids: Iterable[str]) -> dict[str, str | None]:
-    """The current why_pending of each of ``job_ids`` that exists."""
-    current: dict[str, str | None] = {}
-    for chunk in _chunks(list(job_ids), WHY_PENDING_CHUNK):
-        rows = s.connection().execute(hot.WHY_PENDING, {"jobs": list(chunk)})
-        current.update((job_id, why) for job_id, why in rows)
-    return current
-
-
-def reason_gist(reason: str | None) -> str | None:
-    """The kind of a why-pending reason: its first clause (counts move in the rest)."""
-    return reason.split(";", 1)[0] if reason else None
-
-
-def _why_pending_changes(
-    current: Mapping[str, str | None], wanted: Mapping[str, str | None]
-) -> dict[str, str | None]:
-    """The jobs (of those that exist) whose why_pending would change, with the new value."""
-    return {job_id: wanted[job_id] for job_id, now in current.items() if now != wanted[job_id]}
-
-
 def _chunks(items: Sequence[str], size: int) -> Iterator[Sequence[str]]:
     for start in range(0, len(items), size):
         yield items[start : start + size]
@@ -436,6 +415,32 @@ class JobSummary(NamedTuple):
     submitted_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+
+
+def _listing_sql(iso: str, array: str) -> str:
+    """The listing statement: ``iso`` formats a timestamp column ``{c}`` as Python's
+    ``isoformat()`` does; ``array`` aggregates the rows' objects in ``seq`` order."""
+    fields = ", ".join(
+        f"'{name}', {iso.format(c=name) if name.endswith('_at') else name}"
+        for name in JobSummary._fields
+    )
+    return array.format(fields=fields)
+
+
+# SQLite stores a timestamp as 'YYYY-MM-DD HH:MM:SS.ffffff' (UTC, no zone) and reads it back
+# naive; isoformat() leaves out a zero fraction. FROM's rows come in seq order (the rowid).
+_LISTING_SQLITE = _listing_sql(
+    "CASE WHEN {c} IS NULL THEN NULL WHEN substr({c}, 20) = '.000000' "
+    "THEN replace(substr({c}, 1, 19), ' ', 'T') ELSE replace({c}, ' ', 'T') END",
+    "SELECT json_group_array(json(j)) FROM "
+    "(SELECT json_object({fields}) AS j FROM jobs ORDER BY seq)",
+)
+# PostgreSQL: timestamptz, read aware; written here in UTC.
+_LISTING_POSTGRESQL = _listing_sql(
+    "CASE WHEN {c} IS NULL THEN NULL ELSE regexp_replace(to_char({c} AT TIME ZONE 'UTC', "
+    "'YYYY-MM-DD\"T\"HH24:MI:SS.US'), '\\.000000$', '') || '+00:00' END",
+    "SELECT coalesce(json_agg(json_build_object({fields}) ORDER BY seq), '[]')::text FROM jobs",
+)
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
+import orjson
 from sqlalchemy import select, update
 
 from muster.errors import NotFound
@@ -22,7 +23,7 @@ class WorkerRepository(Repository):
     def __init__(self, db: Database) -> None:
         super().__init__(db)
         # worker id -> (inventory JSON, validated): see ``workers``
-        self._validated: dict[str, tuple[dict[str, Any], WorkerInventory]] = {}
+        self._validated: dict[str, tuple[str, WorkerInventory]] = {}
 
     # ---- workers -------------------------------------------------------------------------
 
@@ -67,12 +68,13 @@ class WorkerRepository(Repository):
         with self.db.read() as s:
             rows = hot.worker_rows(s.connection())
         known = self._validated
-        fresh: dict[str, tuple[dict[str, Any], WorkerInventory]] = {}
+        fresh: dict[str, tuple[str, WorkerInventory]] = {}
         views = []
         for worker_id, state, data in rows:
             cached = known.get(worker_id)
             if cached is None or cached[0] != data:
-                cached = (data, WorkerInventory.model_validate(data, strict=False))
+                inventory = WorkerInventory.model_validate(orjson.loads(data), strict=False)
+                cached = (data, inventory)
             fresh[worker_id] = cached
             views.append(WorkerView(inventory=cached[1], state=WorkerState(state)))
         self._validated = fresh  # swapped whole: callers in other threads see one or the other

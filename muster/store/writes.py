@@ -9,7 +9,7 @@ first, say a cancel) is skipped and reported; it never undoes the others.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
@@ -88,6 +88,13 @@ class ConditionWrite:
     message: str
 
 
+@dataclass(frozen=True)
+class WhyPendingWrite:
+    """Queued jobs' why_pending, written where it changed (``hot.why_pending``)."""
+
+    reasons: Mapping[str, str | None]
+
+
 Write: TypeAlias = (
     JobStateWrite
     | MemberStateWrite
@@ -97,6 +104,7 @@ Write: TypeAlias = (
     | WorkerStateWrite
     | InventoryWrite
     | ConditionWrite
+    | WhyPendingWrite
 )
 
 
@@ -151,6 +159,8 @@ def _apply(
         hot.rendezvous(conn, write.job, write.epoch, write.addr, write.port)
     elif isinstance(write, ConditionWrite):
         hot.set_condition(conn, write.job, write.type, write.status, write.reason, write.message)
+    elif isinstance(write, WhyPendingWrite):
+        hot.why_pending(conn, write.reasons, events)
     elif isinstance(write, InventoryWrite):
         hot.upsert_worker(conn, write.inventory, write.held_by, write.draining, events)
     else:

@@ -15,7 +15,13 @@ from muster.errors import IllegalTransition, NotFound, PlacementConflict, SpecEr
 from muster.spec import JobState, MemberState, WorkerState
 from muster.store import LogLineIn, Store, open_store
 from muster.store.models import Job, Member, Worker
-from muster.store.writes import EventWrite, JobStateWrite, MemberStateWrite, ReleaseWrite
+from muster.store.writes import (
+    EventWrite,
+    JobStateWrite,
+    MemberStateWrite,
+    ReleaseWrite,
+    WhyPendingWrite,
+)
 from tests.scheduler.workers import gang, worker
 from tests.store.locks import held_write_lock
 
@@ -245,6 +251,23 @@ def test_set_why_pending_many_writes_only_changes(store: Store) -> None:
     assert store.set_why_pending_many({}) == 0
 
 
+def test_a_reason_that_lands_after_the_job_was_placed_is_dropped(store: Store) -> None:
+    """The pass that found a job waiting hands its reason to the group commit; the next
+    pass may reserve the job first. A placed job shows no why_pending, and no Unplaceable
+    event is written for it."""
+    ids = add_workers(store, 2)
+    waiting, placed = store.submit_job(gang(2)).id, store.submit_job(gang(2)).id
+    store.reserve_placement(placed, ids, "direct")
+    late = {placed: "held back by queue order", waiting: "needs 3 workers, 2 idle"}
+    assert store.apply_writes([WhyPendingWrite(late)]) == []
+    assert store.job(placed).why_pending is None
+    assert store.job(waiting).why_pending == "needs 3 workers, 2 idle"
+    assert store.set_why_pending_many({placed: "held back by queue order"}) == 0
+    assert store.job(placed).why_pending is None
+    unplaceable = [e.job_id for e in store.events() if e.kind == "Unplaceable"]
+    assert unplaceable == [waiting]
+
+
 def test_set_why_pending_many_takes_no_write_lock_when_nothing_changes(
     store: Store, db_url: str
 ) -> None:
@@ -322,3 +345,33 @@ def test_a_window_keeps_its_opening_time_until_an_epoch_is_fenced(store: Store) 
     assert store.window_opened_at(job) is None  # the next window is a new one
     store.record_event("WindowOpened", "join window open", job=job, data={"opened_at": 2000.0})
     assert store.window_opened_at(job) == 2000.0
+
+
+def test_the_job_listing_built_in_sql_is_what_python_would_build(store: Store) -> None:
+    """GET /v1/jobs's answer comes from one SQL statement; it says exactly what the
+    row-by-row Python summary said, in submission order, on both engines."""
+    import orjson
+
+    from muster.controller.api import job_summary
+
+    assert orjson.loads(store.job_listing()) == []
+    jobs = [store.submit_job(gang(2)) for _ in range(12)]
+    odd = 'waiting: "quoted" \\ back\\slash, tab\t, newline\n, \u00e9\u4e2d\U0001f600, \x01'
+    store.set_why_pending(jobs[3].id, odd)
+    store.set_job_state(jobs[5].id, JobState.FAILED, "node0 rank 1 exited with code 1\nx")
+    ids = add_workers(store, 2)
+    store.reserve_placement(jobs[7].id, ids, "direct")
+    store.set_job_state(jobs[7].id, JobState.RENDEZVOUS)
+    store.set_job_state(jobs[7].id, JobState.RUNNING)
+    with store.db.transaction() as s:  # a whole second: isoformat() leaves the fraction out
+        row = s.scalars(select(Job).where(Job.id == jobs[1].id)).one()
+        row.submitted_at = row.submitted_at.replace(microsecond=0)
+        row.priority = -3
+        row.path_class = "direct"
+    listed = orjson.loads(store.job_listing())
+    expected = [job_summary(j) for j in store.job_summaries()]
+    assert [j["id"] for j in listed] == [j.id for j in jobs]
+    assert listed == orjson.loads(orjson.dumps(expected))
+    assert "." not in listed[1]["submitted_at"]
+    assert "." in listed[0]["submitted_at"]
+    assert listed[3]["why_pending"] == odd
