@@ -28,8 +28,10 @@ imports: setup
 docs: setup
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet -d site
 
+# Two workers (pytest-xdist); the namespace-rig tests keep to one of them (tests/conftest.py).
+PYTEST_WORKERS ?= 2
 pytest: setup
-	$(BIN)/pytest -q --durations=15
+	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --durations=15
 
 test: lint typecheck imports docs pytest
 

@@ -17,6 +17,18 @@ settings.register_profile("muster", deadline=None)
 settings.load_profile("muster")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the group marks
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """`make test` runs two pytest-xdist workers (--dist loadgroup). The namespace-rig tests
+    go to one of them, one after another: each builds hosts, routers and WireGuard devices
+    and mostly waits on them, so they overlap well with the CPU-bound rest. Two rigs at once
+    do not mix: their hosts share the machine's cgroup tree, and an agent starting on one
+    sweeps the rank groups of the other's agent of the same name."""
+    for item in items:
+        if item.nodeid.startswith("tests/net/") or "rig" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("rig"))
+
+
 @pytest.fixture(scope="session")
 def postgres_server() -> Iterator[PostgresServer]:
     server, why_not = start_postgres()

@@ -6,8 +6,13 @@ MUSTER_TEST_REQUIRE_NET=1 (it installs what the rig needs), so there they fail i
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+import tempfile
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -27,12 +32,37 @@ def needs(*tools: str) -> None:
         unavailable(why)
 
 
+RIG_LOCK = Path(tempfile.gettempdir()) / "muster-test-rig.lock"
+RIG_LOCK_WAIT_S = 240.0
+
+
+@contextlib.contextmanager
+def one_rig_at_a_time() -> Iterator[None]:
+    """Two rigs at once do not mix (their hosts share the machine's cgroup tree, and an
+    agent sweeps the rank groups of any agent of its name). `make test`'s workers keep the
+    rig tests to one of them (tests/conftest.py); this lock holds even where they do not."""
+    with open(RIG_LOCK, "a") as lock:
+        deadline = time.monotonic() + RIG_LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"another test held the rig for {RIG_LOCK_WAIT_S:.0f}s")
+                time.sleep(0.2)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 @pytest.fixture
 def rig() -> Iterator[Rig]:
     why = why_unavailable()
     if why:
         unavailable(why)
-    with Rig() as made:
+    with one_rig_at_a_time(), Rig() as made:
         yield made
     left = [ns for ns in list_namespaces() if ns.startswith(f"{made.tag}-")]
     assert not left, f"namespaces left after the test: {left}"
