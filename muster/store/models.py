@@ -21,9 +21,11 @@ from sqlalchemy import (
     MetaData,
     String,
     Text,
+    TypeDecorator,
     UniqueConstraint,
     text,
 )
+from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 NAMING = {
@@ -35,6 +37,22 @@ NAMING = {
 
 # Integer primary keys that autoincrement on both engines (SQLite only does so for INTEGER).
 AutoId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+class Prose(TypeDecorator[str]):
+    """TEXT for the words muster writes for people (root causes, reasons, event messages),
+    which can quote a rank's last lines. PostgreSQL's text cannot hold NUL (the group
+    commit failed, and the writes of that step with it: a job's FAILED among them) and
+    SQLite's text functions stop at one: a NUL is written as the two characters \\0. (Log
+    lines are stored losslessly elsewhere: ``log_lines``.)"""
+
+    impl = Text
+    cache_ok = True
+
+    def process_bind_param(self, value: str | None, dialect: Dialect) -> str | None:
+        if value is not None and "\x00" in value:
+            return value.replace("\x00", "\\0")
+        return value
 
 
 class Base(DeclarativeBase):
@@ -68,8 +86,8 @@ class Job(Base):
     state: Mapped[str] = mapped_column(String(16), index=True)
     priority: Mapped[int] = mapped_column(Integer, default=0)
     path_class: Mapped[str | None] = mapped_column(String(16))
-    why_pending: Mapped[str | None] = mapped_column(Text)
-    root_cause: Mapped[str | None] = mapped_column(Text)
+    why_pending: Mapped[str | None] = mapped_column(Prose)
+    root_cause: Mapped[str | None] = mapped_column(Prose)
     bundle_sha256: Mapped[str | None] = mapped_column(String(64))
     submitted_at: Mapped[datetime]
     started_at: Mapped[datetime | None]
@@ -124,7 +142,7 @@ class Event(Base):
     worker_id: Mapped[str | None] = mapped_column(String(128))
     time: Mapped[datetime]
     kind: Mapped[str] = mapped_column(String(64))
-    message: Mapped[str] = mapped_column(Text)
+    message: Mapped[str] = mapped_column(Prose)
     data: Mapped[dict[str, Any]]
 
 
@@ -137,7 +155,7 @@ class Condition(Base):
     type: Mapped[str] = mapped_column(String(64), primary_key=True)
     status: Mapped[str] = mapped_column(String(8))  # True | False | Unknown
     reason: Mapped[str] = mapped_column(String(64))
-    message: Mapped[str] = mapped_column(Text)
+    message: Mapped[str] = mapped_column(Prose)
     last_transition: Mapped[datetime]
 
 

@@ -7,6 +7,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 
+import orjson
 import pytest
 from sqlalchemy import func, select
 
@@ -16,6 +17,7 @@ from muster.spec import JobState, MemberState, WorkerState
 from muster.store import LogLineIn, Store, open_store
 from muster.store.models import Job, Member, Worker
 from muster.store.writes import (
+    ConditionWrite,
     EventWrite,
     JobStateWrite,
     MemberStateWrite,
@@ -251,6 +253,32 @@ def test_set_why_pending_many_writes_only_changes(store: Store) -> None:
     assert store.set_why_pending_many({}) == 0
 
 
+def test_a_root_cause_quoting_a_nul_is_stored_on_both_engines(store: Store) -> None:
+    """A rank's last lines can hold NUL (its output is anything), and the root cause quotes
+    them: the job's FAILED, its event and its condition are on record, NUL shown as \\0."""
+    ids = add_workers(store, 2)
+    job = store.submit_job(gang(2)).id
+    store.reserve_placement(job, ids, "direct")
+    cause = "node0 (worker w00): global rank 1 exited with code 1\nlast lines:\n  a\x00b"
+    skipped = store.apply_writes(
+        [
+            JobStateWrite(job, JobState.FAILED, cause),
+            EventWrite("Note", "said \x00", job),
+            ConditionWrite(job, "Failed", True, "RankFailed", cause),
+        ]
+    )
+    assert skipped == []
+    shown = cause.replace("\x00", "\\0")
+    assert store.job(job).state == "failed"
+    assert store.job(job).root_cause == shown
+    assert [e.message for e in store.events(job) if e.kind in ("JobFailed", "Note")] == [
+        shown,
+        "said \\0",
+    ]
+    assert [c.message for c in store.conditions(job)] == [shown]
+    assert orjson.loads(store.job_listing())[0]["root_cause"] == shown
+
+
 def test_a_reason_that_lands_after_the_job_was_placed_is_dropped(store: Store) -> None:
     """The pass that found a job waiting hands its reason to the group commit; the next
     pass may reserve the job first. A placed job shows no why_pending, and no Unplaceable
@@ -350,8 +378,6 @@ def test_a_window_keeps_its_opening_time_until_an_epoch_is_fenced(store: Store) 
 def test_the_job_listing_built_in_sql_is_what_python_would_build(store: Store) -> None:
     """GET /v1/jobs's answer comes from one SQL statement; it says exactly what the
     row-by-row Python summary said, in submission order, on both engines."""
-    import orjson
-
     from muster.controller.api import job_summary
 
     assert orjson.loads(store.job_listing()) == []
