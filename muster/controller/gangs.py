@@ -516,9 +516,7 @@ class Controller:
         """What a pass reads, in one trip to a worker thread (under load each trip waits its
         turn on the event loop): the queue, every worker, and the specs not validated yet.
         (``_specs`` changes only in a pass, and the pass holds the lock.)"""
-        queued = self.store.queued()
-        if not queued and not self.windows.wanted and not self.windows.entries:
-            return queued, [], {}
+        queued = self.store.queued()  # (the workers always: a walk-in may want a pass)
         new = [job_id for job_id, _seq, _bundle in queued if job_id not in self._specs]
         return queued, self.store.workers(), self.store.specs(new) if new else {}
 
