@@ -17,7 +17,7 @@ def test_the_hetero_example_trains_under_torchrun(
     monkeypatch.setenv("MUSTER_OUTPUT_DIR", str(tmp_path))
     out = torchrun(
         ROOT / "examples/hetero/train.py",
-        *("--slowdown", "3", "--epochs", "3", "--samples", "8192"),
+        *("--slowdown", "5", "--epochs", "3", "--samples", "8192"),
     )
     assert "epoch 2 held-out loss" in out
     result = json.loads((tmp_path / "result.json").read_text())
@@ -25,8 +25,9 @@ def test_the_hetero_example_trains_under_torchrun(
     assert losses[-1] < losses[0]
     assert (tmp_path / "model.pt").stat().st_size > 0
     # The fast rank ranged ahead of the slowed one (in lockstep both would run the same count).
-    # With k=3 it runs about 3x the batches alone; two ranks sharing a busy 2-core runner have
-    # been measured as low as 1.9x, so the bound leaves room for the noise, not for lockstep.
+    # A batch here is about a millisecond of compute, so a busy runner's scheduling noise is as
+    # large as the slowdown's sleep: at k=3 two ranks sharing 2 busy cores ran 57 and 39
+    # batches (CI, 1.46x). At k=5 the same load leaves 3.4x or more, well clear of lockstep.
     # Both ranks share torchrun's stdout, so a line may arrive glued to another rank's.
     ran = {int(r): int(n) for r, n in re.findall(r"rank (\d+) ran (\d+) batches", out)}
-    assert ran[0] > 1.5 * ran[1], ran
+    assert ran[0] > 2 * ran[1], ran
