@@ -119,10 +119,22 @@ def make_engine(url: str | None = None, **kwargs: Any) -> Engine:
             raise UserError(
                 "PostgreSQL needs the psycopg driver: pip install 'muster[postgres]'"
             ) from exc
-        return create_engine(parsed, pool_pre_ping=True, **kwargs)
+        engine = create_engine(parsed, pool_pre_ping=True, **kwargs)
+        event.listen(engine, "connect", _postgres_connect)
+        return engine
     raise UserError(
         f"--db {parsed.get_backend_name()!r} is not supported; use SQLite or PostgreSQL"
     )
+
+
+def _postgres_connect(dbapi_connection: Any, _record: Any) -> None:
+    # Times are stored as timestamptz and read back in the session's time zone, which PGTZ or
+    # the server's TimeZone may set to anything: in UTC, GET /v1/jobs (formatted by the
+    # database) and GET /v1/jobs/{id} (by Python) say the same. Committed, or the pool's
+    # rollback on check-in would undo the SET.
+    with dbapi_connection.cursor() as cursor:
+        cursor.execute("SET TIME ZONE 'UTC'")
+    dbapi_connection.commit()
 
 
 def _sqlite_connect(dbapi_connection: Any, _record: Any) -> None:

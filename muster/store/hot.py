@@ -15,7 +15,18 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any, NamedTuple, cast
 
-from sqlalchemy import Connection, Table, Text, bindparam, func, insert, select, update
+from sqlalchemy import (
+    Connection,
+    Table,
+    Text,
+    bindparam,
+    case,
+    func,
+    insert,
+    literal,
+    select,
+    update,
+)
 from sqlalchemy import cast as sql_cast
 
 from muster.errors import BadRequest, NotFound, PlacementConflict
@@ -96,11 +107,6 @@ WHY_PENDING = select(JOBS.c.id, JOBS.c.why_pending).where(
     JOBS.c.id.in_(bindparam("jobs", expanding=True)), JOBS.c.state == JobState.QUEUED.value
 )
 WHY_PENDING_PER_READ = 500  # job ids per IN (...)
-_SET_WHY_PENDING = (
-    update(JOBS)
-    .where(JOBS.c.id == bindparam("_job"), JOBS.c.state == JobState.QUEUED.value)
-    .values(why_pending=bindparam("why"))
-)
 _RENDEZVOUS = (
     update(EPOCHS)
     .where(EPOCHS.c.job_id == bindparam("job"), EPOCHS.c.number == bindparam("epoch"))
@@ -408,14 +414,37 @@ def why_pending(
     always holds the latest words. Returns how many changed."""
     previous = read_why_pending(conn, reasons)
     changes = why_pending_changes(previous, reasons)
+    # Only the rows the UPDATE changed get an event: on PostgreSQL a reservation can commit
+    # between the read above and the UPDATE, which then skips that job (no longer queued).
+    written = _set_why_pending(conn, changes)
     events.extend(
         event_row("Unplaceable", reason, job=job_id)
         for job_id, reason in changes.items()
-        if reason and reason_gist(reason) != reason_gist(previous.get(job_id))
+        if job_id in written and reason and reason_gist(reason) != reason_gist(previous[job_id])
     )
-    if changes:
-        conn.execute(_SET_WHY_PENDING, [{"_job": j, "why": r} for j, r in changes.items()])
-    return len(changes)
+    return len(written)
+
+
+def _set_why_pending(conn: Connection, changes: Mapping[str, str | None]) -> set[str]:
+    """Set each job's why_pending where it is still queued; the ids of the rows changed."""
+    written: set[str] = set()
+    items = list(changes.items())
+    column_type = JOBS.c.why_pending.type
+    for start in range(0, len(items), WHY_PENDING_PER_READ):
+        chunk = dict(items[start : start + WHY_PENDING_PER_READ])
+        statement = (
+            update(JOBS)
+            .where(JOBS.c.id.in_(list(chunk)), JOBS.c.state == JobState.QUEUED.value)
+            .values(
+                why_pending=case(
+                    {j: literal(r, type_=column_type) for j, r in chunk.items()},
+                    value=JOBS.c.id,
+                )
+            )
+            .returning(JOBS.c.id)
+        )
+        written.update(str(j) for j in conn.execute(statement).scalars())
+    return written
 
 
 _CONDITION_NOW = select(CONDITIONS.c.status).where(

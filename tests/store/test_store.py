@@ -286,14 +286,44 @@ def test_a_reason_that_lands_after_the_job_was_placed_is_dropped(store: Store) -
     ids = add_workers(store, 2)
     waiting, placed = store.submit_job(gang(2)).id, store.submit_job(gang(2)).id
     store.reserve_placement(placed, ids, "direct")
-    late = {placed: "held back by queue order", waiting: "needs 3 workers, 2 idle"}
+    late = {placed: "held back by queue order", waiting: "needs 3 workers, 2 idle \x00"}
     assert store.apply_writes([WhyPendingWrite(late)]) == []
     assert store.job(placed).why_pending is None
-    assert store.job(waiting).why_pending == "needs 3 workers, 2 idle"
+    assert store.job(waiting).why_pending == "needs 3 workers, 2 idle \\0"  # NUL shown
     assert store.set_why_pending_many({placed: "held back by queue order"}) == 0
     assert store.job(placed).why_pending is None
     unplaceable = [e.job_id for e in store.events() if e.kind == "Unplaceable"]
     assert unplaceable == [waiting]
+
+
+def test_a_job_reserved_while_the_group_commit_writes_its_reason_gets_none(
+    store: Store, db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL lets a reservation commit between the group commit's read of why_pending
+    and its UPDATE (read committed; SQLite's write lock keeps them apart). The UPDATE then
+    skips the job, and so must the Unplaceable event: a running job's history never says it
+    could not be placed after it was."""
+    if not db_url.startswith("postgresql"):
+        pytest.skip("SQLite's write lock keeps a reservation out of the group commit")
+    from muster.store import hot
+
+    ids = add_workers(store, 2)
+    job = store.submit_job(gang(2)).id
+    read = hot.read_why_pending
+
+    def read_then_reserved(conn: object, job_ids: object) -> dict[str, str | None]:
+        current = read(conn, job_ids)  # type: ignore[arg-type]
+        racer = threading.Thread(target=store.reserve_placement, args=(job, ids, "direct"))
+        racer.start()  # another connection, committed before the UPDATE below runs
+        racer.join(30)
+        return current
+
+    monkeypatch.setattr(hot, "read_why_pending", read_then_reserved)
+    waiting = {job: "needs 3 workers, 2 idle; \x00 and all"}
+    assert store.apply_writes([WhyPendingWrite(waiting)]) == []
+    assert store.job(job).state == JobState.PLACING
+    assert store.job(job).why_pending is None
+    assert "Unplaceable" not in [e.kind for e in store.events(job)]
 
 
 def test_set_why_pending_many_takes_no_write_lock_when_nothing_changes(
@@ -401,3 +431,23 @@ def test_the_job_listing_built_in_sql_is_what_python_would_build(store: Store) -
     assert "." not in listed[1]["submitted_at"]
     assert "." in listed[0]["submitted_at"]
     assert listed[3]["why_pending"] == odd
+
+
+def test_times_read_the_same_in_the_listing_and_the_detail_whatever_the_server_time_zone(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A PostgreSQL session in another time zone (PGTZ, or the server's TimeZone) must not
+    change how a time reads: GET /v1/jobs and GET /v1/jobs/{id} both say it in UTC (with
+    +00:00 on PostgreSQL; SQLite's times carry no offset)."""
+    from muster.controller.api import job_summary
+
+    monkeypatch.setenv("PGTZ", "America/New_York")  # libpq sets the session's TimeZone
+    store = open_store(db_url)
+    try:
+        job = store.submit_job(gang(2))
+        listed = orjson.loads(store.job_listing())[0]
+        detail = orjson.loads(orjson.dumps(job_summary(store.job(job.id))))
+        assert listed["submitted_at"] == detail["submitted_at"]
+        assert not detail["submitted_at"].endswith("-05:00"), detail["submitted_at"]
+    finally:
+        store.db.dispose()
