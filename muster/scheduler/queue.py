@@ -63,8 +63,23 @@ def schedule(
     held: frozenset[WorkerKind] = frozenset()
     waiting_for: list[str] = []
     decisions: list[Decision] = []
+    # Jobs of one Need ask the same question of the same pool until a placement changes it
+    # (pool.version): a queue of 1,000 jobs of a few shapes asks a few dozen, not 2,000.
+    asked: dict[tuple[Need, frozenset[WorkerKind], int], Placement | Unplaceable] = {}
+    capacity_of: dict[Need, tuple[int, frozenset[WorkerKind]]] = {}
+
+    def ask(job: QueuedJob, need: Need, exclude: frozenset[WorkerKind]) -> Placement | Unplaceable:
+        if job.apart:
+            return place_gang(job.spec, pool, exclude=exclude, paths=paths, apart=job.apart)
+        key = (need, exclude, pool.version)
+        found = asked.get(key)
+        if found is None:
+            found = asked[key] = place_gang(job.spec, pool, exclude=exclude, paths=paths)
+        return found
+
     for job in queue_order(jobs):
-        outcome = place_gang(job.spec, pool, exclude=held, paths=paths, apart=job.apart)
+        need = Need.of(job.spec)
+        outcome = ask(job, need, held)
         if isinstance(outcome, Placement):
             pool.take(outcome.worker_ids)
             if outcome.path is PathClass.PRIVATE and len(outcome.members) > 1:
@@ -72,7 +87,7 @@ def schedule(
             elif outcome.path is PathClass.RELAYED:
                 pool.hold_relayed(m.advertise_address for m in outcome.members)
         else:
-            free = place_gang(job.spec, pool, paths=paths, apart=job.apart)
+            free = ask(job, need, frozenset())
             if held and isinstance(free, Placement):
                 # The first clause (before ";") is the kind of reason and stays the same
                 # while the job waits its turn; which jobs are ahead changes every pass.
@@ -86,8 +101,13 @@ def schedule(
                     reason,
                     outcome.ruled_out,
                 )
-            eligible = cache.index(Need.of(job.spec)).eligible
-            capacity = sum(pool.slots[k].idle + pool.slots[k].in_use for k in eligible)
+            if need not in capacity_of:  # idle + in use per kind: takes do not change it
+                eligible = frozenset(cache.index(need).eligible)
+                capacity_of[need] = (
+                    sum(pool.slots[k].idle + pool.slots[k].in_use for k in eligible),
+                    eligible,
+                )
+            capacity, eligible = capacity_of[need]
             # A job that waits for a path the controller cannot set up holds nothing back,
             # nor one kept off pairs of workers (it may wait for others to join for long).
             if (
@@ -95,7 +115,7 @@ def schedule(
                 and outcome.needs_path is None
                 and not job.apart
             ):
-                held = held | frozenset(eligible)
+                held = held | eligible
                 waiting_for.append(job.id)
         decisions.append(Decision(job.id, outcome))
     return decisions

@@ -20,10 +20,8 @@ from sqlalchemy import (
     Table,
     Text,
     bindparam,
-    case,
     func,
     insert,
-    literal,
     select,
     update,
 )
@@ -107,6 +105,11 @@ WHY_PENDING = select(JOBS.c.id, JOBS.c.why_pending).where(
     JOBS.c.id.in_(bindparam("jobs", expanding=True)), JOBS.c.state == JobState.QUEUED.value
 )
 WHY_PENDING_PER_READ = 500  # job ids per IN (...)
+_SET_WHY_PENDING = (
+    update(JOBS)
+    .where(JOBS.c.id == bindparam("_job"), JOBS.c.state == JobState.QUEUED.value)
+    .values(why_pending=bindparam("why"))
+)
 _RENDEZVOUS = (
     update(EPOCHS)
     .where(EPOCHS.c.job_id == bindparam("job"), EPOCHS.c.number == bindparam("epoch"))
@@ -426,25 +429,15 @@ def why_pending(
 
 
 def _set_why_pending(conn: Connection, changes: Mapping[str, str | None]) -> set[str]:
-    """Set each job's why_pending where it is still queued; the ids of the rows changed."""
-    written: set[str] = set()
-    items = list(changes.items())
-    column_type = JOBS.c.why_pending.type
-    for start in range(0, len(items), WHY_PENDING_PER_READ):
-        chunk = dict(items[start : start + WHY_PENDING_PER_READ])
-        statement = (
-            update(JOBS)
-            .where(JOBS.c.id.in_(list(chunk)), JOBS.c.state == JobState.QUEUED.value)
-            .values(
-                why_pending=case(
-                    {j: literal(r, type_=column_type) for j, r in chunk.items()},
-                    value=JOBS.c.id,
-                )
-            )
-            .returning(JOBS.c.id)
-        )
-        written.update(str(j) for j in conn.execute(statement).scalars())
-    return written
+    """Set each job's why_pending where it is still queued; the ids of the rows changed.
+
+    The UPDATE locks each row it changes until the commit, so a job read again as queued
+    right after it is one it changed; a job reserved in between is neither changed nor read.
+    (One statement per row: a CASE over the chunk is quadratic in SQLite.)"""
+    if not changes:
+        return set()
+    conn.execute(_SET_WHY_PENDING, [{"_job": j, "why": r} for j, r in changes.items()])
+    return set(read_why_pending(conn, changes))
 
 
 _CONDITION_NOW = select(CONDITIONS.c.status).where(

@@ -132,3 +132,79 @@ def test_a_job_kept_off_a_pair_holds_back_no_job_behind_it() -> None:
     assert isinstance(got["retry"], Unplaceable)
     assert "a and b not on the direct path" in got["retry"].reason
     assert isinstance(got["next"], Placement)
+
+
+def _schedule_one_by_one(
+    jobs: list[QueuedJob], pool: PoolIndex, paths: frozenset[PathClass]
+) -> list[tuple[str, Placement | Unplaceable]]:
+    """The queue rule asked job by job, every question put to place_gang afresh."""
+    from muster.scheduler.place import GroupCache, Need, place_gang
+    from muster.scheduler.queue import queue_order
+
+    cache, held, waiting_for, out = GroupCache.of(pool), frozenset(), [], []
+    for job in queue_order(jobs):
+        outcome = place_gang(job.spec, pool, exclude=held, paths=paths, apart=job.apart)
+        if isinstance(outcome, Placement):
+            pool.take(outcome.worker_ids)
+            if outcome.path is PathClass.PRIVATE and len(outcome.members) > 1:
+                pool.hold_private(m.network.private_address for m in outcome.members)
+            elif outcome.path is PathClass.RELAYED:
+                pool.hold_relayed(m.advertise_address for m in outcome.members)
+        else:
+            free = place_gang(job.spec, pool, paths=paths, apart=job.apart)
+            if held and isinstance(free, Placement):
+                reason = (
+                    "held back by queue order: the idle workers that fit are held for the "
+                    f"job(s) ahead; waiting behind {waiting_for[0]}"
+                )
+                if len(waiting_for) > 1:
+                    reason += f" and {len(waiting_for) - 1} more"
+                outcome = Unplaceable(reason, outcome.ruled_out)
+            eligible = cache.index(Need.of(job.spec)).eligible
+            capacity = sum(pool.slots[k].idle + pool.slots[k].in_use for k in eligible)
+            if (
+                capacity >= job.spec.gang.num_workers
+                and outcome.needs_path is None
+                and not job.apart
+            ):
+                held = held | frozenset(eligible)
+                waiting_for.append(job.id)
+        out.append((job.id, outcome))
+    return out
+
+
+def test_a_long_queue_of_few_shapes_is_decided_as_if_each_job_were_asked_afresh() -> None:
+    """schedule() asks place_gang once per job shape until a placement changes the pool;
+    its decisions are those of asking every job afresh, on mixed pools and queues."""
+    import random
+
+    for seed in range(40):
+        rnd = random.Random(seed)
+        workers = [
+            worker(
+                f"w{i}",
+                gpus=rnd.choice([0, 0, 2, 8]),
+                vendor="nvidia",
+                torch=rnd.choice(["2.5.1", "2.5.1", "2.4.0"]),
+                private=rnd.choice([None, "net-a", "net-b"]),
+                region=rnd.choice(["us-east-1", "us-west-2"]),
+            )
+            for i in range(rnd.randint(3, 30))
+        ]
+        views = [idle(w)[0] if rnd.random() < 0.8 else busy(w) for w in workers]
+        jobs = []
+        for i in range(rnd.randint(1, 80)):
+            spec = gang(rnd.randint(1, 6), priority=rnd.choice([0, 0, 1]))
+            if rnd.random() < 0.3:
+                spec["resources"] = {"gpus": rnd.choice([1, 2, 4])}
+                spec["distributed"]["backend"] = "nccl"
+            if rnd.random() < 0.3:
+                spec["distributed"]["transport"] = "direct"
+            apart = None
+            if rnd.random() < 0.05 and len(workers) > 1:
+                pair = frozenset({workers[0].id, workers[1].id})
+                apart = {PathClass.PRIVATE: frozenset({pair})}
+            jobs.append(QueuedJob(f"j{i}", parse_job(spec), i, apart=apart))
+        paths = frozenset(rnd.sample(list(PathClass), rnd.randint(1, len(PathClass))))
+        got = [(d.job_id, d.outcome) for d in schedule(jobs, PoolIndex(views), paths)]
+        assert got == _schedule_one_by_one(jobs, PoolIndex(views), paths), seed

@@ -311,11 +311,16 @@ def test_a_job_reserved_while_the_group_commit_writes_its_reason_gets_none(
     job = store.submit_job(gang(2)).id
     read = hot.read_why_pending
 
+    raced: list[threading.Thread] = []
+
     def read_then_reserved(conn: object, job_ids: object) -> dict[str, str | None]:
         current = read(conn, job_ids)  # type: ignore[arg-type]
-        racer = threading.Thread(target=store.reserve_placement, args=(job, ids, "direct"))
-        racer.start()  # another connection, committed before the UPDATE below runs
-        racer.join(30)
+        if not raced:  # the first read: another connection reserves before the UPDATE
+            raced.append(
+                threading.Thread(target=store.reserve_placement, args=(job, ids, "direct"))
+            )
+            raced[0].start()
+            raced[0].join(30)
         return current
 
     monkeypatch.setattr(hot, "read_why_pending", read_then_reserved)
