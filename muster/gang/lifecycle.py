@@ -28,7 +28,6 @@ a member still alive when its agent dials back is told to STOP again.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 from muster.gang.actions import (
@@ -73,7 +72,7 @@ from muster.gang.events import (
     StacksCaptured,
     Tick,
 )
-from muster.gang.run import GangPhase, GangRun, Member
+from muster.gang.run import GangPhase, GangRun, Member, replace
 from muster.spec import JobState, MemberState, PathClass
 
 _M = MemberState

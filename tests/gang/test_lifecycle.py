@@ -819,3 +819,17 @@ def test_node0_does_not_dial_its_own_port_and_a_silent_member_fences_at_the_budg
     assert "did not answer the check of node0's rendezvous within 30s: node2 (worker w2)" in (
         fenced.message
     )
+
+
+def test_a_replaced_run_equals_what_dataclasses_replace_gives_and_refuses_unknown_fields() -> None:
+    import dataclasses
+
+    from muster.gang.run import GangRun, replace
+
+    run = GangRun.placed("j", 1, ["a", "b"], PathClass.DIRECT)
+    changed = replace(run, fenced=True, port=29500)
+    assert changed == dataclasses.replace(run, fenced=True, port=29500)
+    assert run.fenced is False and run.port is None  # the original is untouched
+    assert replace(run.members[1], exit_code=3) == dataclasses.replace(run.members[1], exit_code=3)
+    with pytest.raises(TypeError, match="no field"):
+        replace(run, fencd=True)
