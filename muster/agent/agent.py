@@ -39,6 +39,7 @@ from muster.agent.stacks import dump_ranks, flight_ranks
 from muster.agent.tunnel import SshTunnel
 from muster.client import pinned_ssl_context
 from muster.errors import InfrastructureError
+from muster.net.firewall import agent_key
 from muster.spec import MESH_INTERFACE, WorkerInventory
 from muster.wire import Frame, FrameRefused, Kind
 
@@ -178,7 +179,7 @@ class Agent:
             self.send,
             config.work_dir / ".net",
             _reflector(config),
-            config.worker_id,
+            agent_key(config.worker_id, config.work_dir),
             path_timeout=config.path_timeout,
             handshake_timeout=config.handshake_timeout,
             device=config.device,

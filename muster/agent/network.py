@@ -54,7 +54,7 @@ class GangNetwork:
         send: Send,
         log_dir: Path,
         reflector: tuple[str, int] | None,
-        worker_id: str = "",
+        key: str = "",
         *,
         path_timeout: float = 60.0,
         handshake_timeout: float = HANDSHAKE_TIMEOUT_S,
@@ -68,8 +68,8 @@ class GangNetwork:
         self.peer_nodes: dict[str, int] = {}  # mesh address -> node rank (NET_PEERS)
         self.path_timeout = path_timeout
         self.handshake_timeout = handshake_timeout
-        self.firewall = firewall.Firewall(worker_id)
-        self.firewall_id = worker_id
+        self.firewall = firewall.Firewall(key)  # key: firewall.agent_key
+        self.firewall_id = key
         self.groups: cgroup.RankGroups | None = None  # where the ranks' cgroups are made
         self.no_groups: str | None = None  # why there are none (found at the first sweep)
         self.said_no_groups = False

@@ -91,9 +91,10 @@ def locate() -> Hierarchy | str:
 class RankGroups:
     """The groups of one agent's members."""
 
-    def __init__(self, hierarchy: Hierarchy, worker_id: str) -> None:
+    def __init__(self, hierarchy: Hierarchy, key: str) -> None:
+        """``key``: the agent's (``firewall.agent_key``); it prefixes every group's name."""
         self.hierarchy = hierarchy
-        self.prefix = "muster-" + hashlib.sha256(worker_id.encode()).hexdigest()[:12] + "-"
+        self.prefix = "muster-" + hashlib.sha256(key.encode()).hexdigest()[:12] + "-"
         self.parent = hierarchy.mount / str(hierarchy.own).lstrip("/")
 
     def group(self, gang: str) -> RankGroup:

@@ -11,8 +11,10 @@ NCCL listen on the path's address; what a rank serves on loopback is the user's)
 rendezvous port.
 
 One table per agent, ``inet muster_<id>``: a set and rules per gang, all named after the
-gang (``g<hash>``) and carrying the job and epoch in a comment. The agent sweeps its table
-when it starts (a crashed agent's rules go) and deletes it when it stops. Rules are
+gang (``g<hash>``) and carrying the job and epoch in a comment. ``<id>`` digests the
+agent's key (``agent_key``: its worker id and work dir), so two agents on one host, of one
+cluster or of two, never touch each other's table. The agent sweeps its table when it starts
+(a crashed agent's rules go) and deletes it when it stops. Rules are
 changed with ``nft -f -`` (one transaction each); a host without nft or CAP_NET_ADMIN
 gets no rules, and the agent says so once.
 """
@@ -25,6 +27,7 @@ import re
 import shutil
 import subprocess
 from collections.abc import Sequence
+from pathlib import Path
 
 from muster.net.cgroup import RankGroup
 from muster.net.probe import PROBE_MARK
@@ -32,9 +35,17 @@ from muster.net.probe import PROBE_MARK
 NFT_TIMEOUT_S = 10.0
 
 
-def table_name(worker_id: str) -> str:
-    """The agent's table: ``muster_`` and a digest of its worker id (nft names are short)."""
-    return "muster_" + hashlib.sha256(worker_id.encode()).hexdigest()[:12]
+def agent_key(worker_id: str, work_dir: Path | str) -> str:
+    """What names an agent's rules and rank groups on its host: its worker id alone is not
+    enough (two clusters' agents on one host both default to the host's name, and each would
+    sweep the other's), its work dir is its own. A restarted agent of the same work dir finds
+    what its crashed self left."""
+    return f"{worker_id}@{Path(work_dir).resolve()}"
+
+
+def table_name(key: str) -> str:
+    """The agent's table: ``muster_`` and a digest of its ``agent_key`` (nft names are short)."""
+    return "muster_" + hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
 def gang_name(job: str) -> str:
@@ -63,8 +74,8 @@ def unavailable() -> str | None:
 class Firewall:
     """One agent's table; every method runs nft (call them off the event loop)."""
 
-    def __init__(self, worker_id: str) -> None:
-        self.table = table_name(worker_id)
+    def __init__(self, key: str) -> None:
+        self.table = table_name(key)
         self.gangs: dict[str, str] = {}  # job -> gang name (its set and its rule's comment)
 
     def _nft(self, script: str) -> None:

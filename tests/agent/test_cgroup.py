@@ -48,3 +48,26 @@ def test_no_usable_hierarchy_says_why() -> None:
     # mounted group's type gives it away.
     contained = _hierarchy(UNIFIED, "0::/\n", lambda mount: False)
     assert "cgroup namespace" in str(contained)
+
+
+def test_an_agent_sweeps_only_its_own_groups_when_another_of_its_name_shares_the_host(
+    tmp_path: Path,
+) -> None:
+    """Two clusters' agents on one host both default to the host's name as worker id; each
+    sweeps its crashed runs' groups (and nftables table) at start, and must leave the other's
+    running ranks alone: the agent's key holds its work dir too. A restart of the same agent
+    (same work dir) still finds what it left."""
+    from muster.net.firewall import agent_key, table_name
+
+    mine, theirs = agent_key("gpu-7", tmp_path / "a"), agent_key("gpu-7", tmp_path / "b")
+    assert mine != theirs
+    assert table_name(mine) != table_name(theirs)
+    assert agent_key("gpu-7", tmp_path / "a" / ".." / "a") == mine  # one dir, however named
+    found = Hierarchy(tmp_path, PurePosixPath("/"))
+    left = tmp_path / (RankGroups(found, mine).prefix + "gabc")
+    running = tmp_path / (RankGroups(found, theirs).prefix + "gabc")
+    left.mkdir()
+    running.mkdir()
+    removed, failed = RankGroups(found, mine).sweep()  # the restarted agent
+    assert (removed, failed) == ([left.name], [])
+    assert running.is_dir()

@@ -829,7 +829,8 @@ def test_a_replaced_run_equals_what_dataclasses_replace_gives_and_refuses_unknow
     run = GangRun.placed("j", 1, ["a", "b"], PathClass.DIRECT)
     changed = replace(run, fenced=True, port=29500)
     assert changed == dataclasses.replace(run, fenced=True, port=29500)
-    assert run.fenced is False and run.port is None  # the original is untouched
+    assert run.fenced is False  # the original is untouched
+    assert run.port is None
     assert replace(run.members[1], exit_code=3) == dataclasses.replace(run.members[1], exit_code=3)
     with pytest.raises(TypeError, match="no field"):
         replace(run, fencd=True)

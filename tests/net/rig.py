@@ -68,7 +68,12 @@ def why_unavailable() -> str | None:
         return "the network rig needs Linux network namespaces"
     if os.geteuid() != 0:
         return "the network rig needs root to create network namespaces"
-    for tool, package in (("ip", "iproute2"), ("nsenter", "util-linux"), ("unshare", "util-linux")):
+    for tool, package in (
+        ("ip", "iproute2"),
+        ("nsenter", "util-linux"),
+        ("unshare", "util-linux"),
+        ("ping", "iputils-ping"),  # Rig.reaches: without it every reach reads as a failure
+    ):
         if shutil.which(tool) is None:
             return f"`{tool}` is not installed (Debian package {package})"
     probe = f"{NS_PREFIX}{os.getpid()}-probe"
@@ -434,11 +439,21 @@ table ip muster_rig_nat {
         return self.spawn(
             host, f"agent{suffix}", sys.executable, "-m", "muster", "agent",
             "--controller", self.controller_url, "--name", worker,
-            "--work-dir", str(host.root / f"work{suffix}"),
+            "--work-dir", str(self.work_dir(host, worker)),
             *(["--private-network", host.private_network] if host.private_network else []),
             *args,
             env={"MUSTER_TOKEN": self.join_token},
         )  # fmt: skip
+
+    @staticmethod
+    def work_dir(host: Host, worker: str | None = None) -> Path:
+        """The work dir of ``worker``'s agent on ``host`` (by default the host's name)."""
+        worker = worker or host.name
+        return host.root / ("work" if worker == host.name else f"work-{worker}")
+
+    def agent_key(self, host: Host, worker: str | None = None) -> str:
+        """What names that agent's nftables table and rank groups (``firewall.agent_key``)."""
+        return firewall.agent_key(worker or host.name, self.work_dir(host, worker))
 
     def api(self, method: str, *args: str, host: Host | None = None) -> Any:
         """``muster.client.Client().<method>(*args)`` called on ``host`` (the controller's
@@ -613,8 +628,8 @@ if __name__ == "__main__":
     main()
 
 
-def rank_group(worker: str, job_id: str) -> str:
-    """The cgroup (directory, as a rig host mounts the hierarchy) that ``worker``'s agent
-    made for its member of ``job_id``: muster.net.cgroup's naming."""
-    prefix = "muster-" + hashlib.sha256(worker.encode()).hexdigest()[:12] + "-"
+def rank_group(key: str, job_id: str) -> str:
+    """The cgroup (directory, as a rig host mounts the hierarchy) that the agent of ``key``
+    (``Rig.agent_key``) made for its member of ``job_id``: muster.net.cgroup's naming."""
+    prefix = "muster-" + hashlib.sha256(key.encode()).hexdigest()[:12] + "-"
     return f"/sys/fs/cgroup/{prefix}{firewall.gang_name(job_id)}"

@@ -271,7 +271,7 @@ def test_the_rendezvous_port_takes_members_only_and_no_rule_outlives_the_job(
     is swept when its agent starts."""
     needs("nft")
     h1, h2, h3 = rig.one_region(3)
-    stale = firewall.table_name("h3")
+    stale = firewall.table_name(rig.agent_key(h3))
     rig.nft(
         h3,
         f"table inet {stale} {{\n  chain input {{ type filter hook input priority 0; "
@@ -309,7 +309,9 @@ def test_the_rendezvous_port_takes_members_only_and_no_rule_outlives_the_job(
     assert got == "connected", (port, listening, job["events"])
     outsider = rig.muster_python(h3, str(probe), node0.address, str(port)).strip()
     assert outsider.startswith("refused"), outsider
-    ruleset = rig.run(node0, "nft", "list", "table", "inet", firewall.table_name(node0.name))
+    ruleset = rig.run(
+        node0, "nft", "list", "table", "inet", firewall.table_name(rig.agent_key(node0))
+    )
     dropped = [ln for ln in ruleset.stdout.splitlines() if f"tcp dport {port}" in ln]
     assert dropped, ruleset.stdout
     assert "counter packets 0 " not in dropped[0], ruleset.stdout
@@ -317,7 +319,7 @@ def test_the_rendezvous_port_takes_members_only_and_no_rule_outlives_the_job(
     # the ranks run in a cgroup of their member, and h3's connections to them are dropped.
     groups = []
     for host in (node0, node1):
-        group = rank_group(host.name, job_id)
+        group = rank_group(rig.agent_key(host), job_id)
         groups.append(group)
         pids = set(rig.run(host, "cat", f"{group}/cgroup.procs").stdout.split())
         ports = [
@@ -332,7 +334,9 @@ def test_the_rendezvous_port_takes_members_only_and_no_rule_outlives_the_job(
         for _, rank_port in ports:
             outsider = rig.muster_python(h3, str(probe), host.address, rank_port).strip()
             assert outsider.startswith("refused"), (host.name, rank_port, outsider)
-        ruleset = rig.run(host, "nft", "list", "table", "inet", firewall.table_name(host.name))
+        ruleset = rig.run(
+            host, "nft", "list", "table", "inet", firewall.table_name(rig.agent_key(host))
+        )
         by_group = [ln for ln in ruleset.stdout.splitlines() if "socket cgroupv2" in ln]
         assert by_group, ruleset.stdout
         assert "counter packets 0 " not in by_group[0], ruleset.stdout

@@ -129,8 +129,8 @@ def test_two_direct_gangs_on_shared_hosts_cannot_reach_each_other(rig: Rig, tmp_
         assert "muster1" in links
 
     a_members = {m["worker"]: m for m in gang_a["members"]}
-    a_group = {h.name: rank_group(f"{h.name}a", gang_a["id"]) for h in (h1, h2)}
-    b_group = {h.name: rank_group(f"{h.name}b", gang_b["id"]) for h in (h1, h2)}
+    a_group = {h.name: rank_group(rig.agent_key(h, f"{h.name}a"), gang_a["id"]) for h in (h1, h2)}
+    b_group = {h.name: rank_group(rig.agent_key(h, f"{h.name}b"), gang_b["id"]) for h in (h1, h2)}
     a_addr = {h.name: a_members[f"{h.name}a"]["path_address"] for h in (h1, h2)}
     a_port = int(
         next(e for e in gang_a["events"] if e["kind"] == "RendezvousPublished")["data"]["port"]
@@ -165,7 +165,7 @@ def test_two_direct_gangs_on_shared_hosts_cannot_reach_each_other(rig: Rig, tmp_
                 continue
             assert int(effective.group(1), 16) & (1 << 12 | 1 << 13) == 0, status
     for host in (h1, h2):  # what was dropped was counted on gang A's agents
-        table = firewall.table_name(f"{host.name}a")
+        table = firewall.table_name(rig.agent_key(host, f"{host.name}a"))
         rules = rig.run(host, "nft", "list", "chain", "inet", table, "output").stdout
         dropped = [ln for ln in rules.splitlines() if "daddr 100.64." in ln]
         assert dropped, rules
@@ -248,8 +248,8 @@ def test_an_agent_killed_mid_run_leaves_nothing_running_and_its_next_start_sweep
     agents = {host.name: rig.start_agent(host) for host in (h1, h2)}
     rig.wait_for_workers(["h1", "h2"])
     job = submit_and_wait_ready(rig, ctl, tmp_path, "crash")
-    group = rank_group("h2", job["id"])
-    table = firewall.table_name("h2")
+    group = rank_group(rig.agent_key(h2), job["id"])
+    table = firewall.table_name(rig.agent_key(h2))
     assert rig.run(h2, "cat", f"{group}/cgroup.procs").stdout.split()  # ranks run there
     assert table in rig.run(h2, "nft", "list", "tables").stdout
     assert "muster0" in rig.run(h2, "ip", "-o", "link", "show").stdout
