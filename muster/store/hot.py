@@ -82,17 +82,7 @@ _BUSY = (
     .where(WORKERS.c.id == bindparam("worker"), WORKERS.c.job_id == bindparam("job"))
     .values(state=WorkerState.BUSY.value)
 )
-_RELEASE = (
-    update(WORKERS)
-    .where(
-        WORKERS.c.id == bindparam("worker"),
-        WORKERS.c.job_id == bindparam("job"),
-        WORKERS.c.state.in_([WorkerState.RESERVED.value, WorkerState.BUSY.value]),
-    )
-    .values(state=WorkerState.IDLE.value, job_id=None)
-)
 _SET_WORKER = update(WORKERS).where(WORKERS.c.id == bindparam("_worker"))
-_WORKER_NOW = select(WORKERS.c.state, WORKERS.c.job_id).where(WORKERS.c.id == bindparam("worker"))
 _NEW_WORKER = insert(WORKERS)
 # The inventory as its stored text: a pass compares it with the last one it validated and
 # parses only what changed (200 inventories parsed per pass were most of reading them).
@@ -257,8 +247,11 @@ class MemberStates:
     and written back in a few executemany at the end of the batch (nothing else in a batch
     reads the members table, so deferring those updates inside the transaction is safe)."""
 
-    def __init__(self, conn: Connection, jobs: Iterable[str]) -> None:
+    def __init__(
+        self, conn: Connection, jobs: Iterable[str], workers: WorkerStates | None = None
+    ) -> None:
         self.conn = conn
+        self.workers = workers  # the batch's (RUNNING makes a worker busy), or write at once
         self.now: dict[tuple[str, int], MemberNow] = {}
         epochs: dict[tuple[str, int], int] = {}
         wanted = sorted(set(jobs))
@@ -303,7 +296,10 @@ class MemberStates:
             values["assigned_at"] = now
         elif state is MemberState.RUNNING:
             values["started_at"] = now
-            self.conn.execute(_BUSY, {"worker": member.worker_id, "job": job_id})
+            if self.workers is not None:
+                self.workers.busy(member.worker_id, job_id)
+            else:
+                self.conn.execute(_BUSY, {"worker": member.worker_id, "job": job_id})
         if state.is_terminal:
             values["finished_at"] = now
         self.now[(job_id, node)] = member._replace(state=state)
@@ -318,16 +314,127 @@ class MemberStates:
         self.changes.clear()
 
 
-def release(conn: Connection, worker_id: str, job_id: str) -> None:
-    """Give a worker held for ``job_id`` back to the pool (unless it went offline)."""
-    conn.execute(_RELEASE, {"worker": worker_id, "job": job_id})
+_WORKERS_NOW = select(WORKERS.c.id, WORKERS.c.state, WORKERS.c.job_id).where(
+    WORKERS.c.id.in_(bindparam("ids", expanding=True))
+)
+_HELD = (WorkerState.RESERVED.value, WorkerState.BUSY.value)
 
 
-def worker_state(conn: Connection, worker_id: str, state: WorkerState) -> None:
-    values: dict[str, Any] = {"_worker": worker_id, "state": state.value}
-    if state in (WorkerState.IDLE, WorkerState.OFFLINE):
-        values["job_id"] = None
-    conn.execute(_SET_WORKER, values)
+class WorkerStates:
+    """The workers a batch touches, as MemberStates does members: their state and job read
+    in one statement, moved in memory in the batch's order, and written back at its end in
+    one executemany per set of columns (a busy controller wrote four statements a member:
+    its busy, its release, and its inventory's read and update). Nothing else in a batch
+    reads the workers table."""
+
+    def __init__(self, conn: Connection, worker_ids: Iterable[str]) -> None:
+        self.conn = conn
+        self.now: dict[str, tuple[str, str | None]] = {}  # id -> (state, job), rows that exist
+        self.read: set[str] = set()  # ids asked of the database (found or not)
+        self.changes: dict[str, dict[str, Any]] = {}  # id -> columns to set
+        self.new: dict[str, dict[str, Any]] = {}  # id -> the row to insert
+        self.load(worker_ids)
+
+    def load(self, worker_ids: Iterable[str]) -> None:
+        """Read the rows of those not read yet (one statement per 500)."""
+        wanted = sorted(set(worker_ids) - self.read)
+        for start in range(0, len(wanted), MEMBERS_PER_READ):
+            chunk = wanted[start : start + MEMBERS_PER_READ]
+            for row in self.conn.execute(_WORKERS_NOW, {"ids": chunk}):
+                self.now[row.id] = (row.state, row.job_id)
+        self.read.update(wanted)
+
+    def _row(self, worker_id: str) -> tuple[str, str | None] | None:
+        if worker_id not in self.read:
+            self.load([worker_id])
+        return self.now.get(worker_id)
+
+    def _set(self, worker_id: str, **values: Any) -> None:
+        row = self.new.get(worker_id)
+        if row is None:
+            row = self.changes.setdefault(worker_id, {"_worker": worker_id})
+        row.update(values)
+        state, job = self.now[worker_id]
+        self.now[worker_id] = (values.get("state", state), values.get("job_id", job))
+
+    def busy(self, worker_id: str, job_id: str) -> None:
+        """A member of ``job_id`` runs there (only if the worker is still that job's)."""
+        row = self._row(worker_id)
+        if row is not None and row[1] == job_id:
+            self._set(worker_id, state=WorkerState.BUSY.value)
+
+    def release(self, worker_id: str, job_id: str) -> None:
+        """Back to idle, if it is still held for ``job_id`` (not offline, not another's)."""
+        row = self._row(worker_id)
+        if row is not None and row[1] == job_id and row[0] in _HELD:
+            self._set(worker_id, state=WorkerState.IDLE.value, job_id=None)
+
+    def set_state(self, worker_id: str, state: WorkerState) -> None:
+        if self._row(worker_id) is None:
+            return  # as an UPDATE of no row
+        values: dict[str, Any] = {"state": state.value}
+        if state in (WorkerState.IDLE, WorkerState.OFFLINE):
+            values["job_id"] = None
+        self._set(worker_id, **values)
+
+    def upsert(
+        self,
+        inventory: dict[str, Any],
+        held_by: str | None,
+        draining: bool,
+        events: list[dict[str, Any]],
+        now: datetime | None = None,
+    ) -> None:
+        """Record an agent's inventory (``WorkerInventory`` as JSON) and what the worker is
+        free for; see ``WorkerRepository.upsert_worker``."""
+        now = now or utcnow()
+        worker_id = inventory["id"]
+        row = self._row(worker_id)
+        if held_by is not None:
+            if row is not None and row[1] == held_by and row[0] in _HELD:
+                state, job = row[0], held_by
+            else:
+                state, job = WorkerState.BUSY.value, held_by
+        elif draining:
+            state, job = WorkerState.BUSY.value, None
+        else:  # nothing of any job runs there, as the controller and the agent see it
+            state, job = WorkerState.IDLE.value, None
+        values = {
+            "hostname": inventory["hostname"],
+            "advertise_address": inventory.get("advertise_address"),
+            "inventory": inventory,
+            "last_seen": now,
+            "state": state,
+            "job_id": job,
+        }
+        if row is None:
+            self.new[worker_id] = {"id": worker_id, "joined_at": now, **values}
+            self.now[worker_id] = (state, job)
+            events.append(
+                event_row(
+                    "WorkerJoined",
+                    f"worker {worker_id} ({inventory['hostname']}) joined",
+                    worker=worker_id,
+                )
+            )
+            return
+        if row[0] == WorkerState.OFFLINE.value:
+            events.append(
+                event_row("WorkerReturned", f"worker {worker_id} is back", worker=worker_id)
+            )
+        self._set(worker_id, **values)
+
+    def write(self) -> None:
+        """New workers, then the moved ones, one executemany per set of columns."""
+        if self.new:
+            self.conn.execute(_NEW_WORKER, list(self.new.values()))
+        groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
+        for values in self.changes.values():
+            groups.setdefault(tuple(sorted(values)), []).append(values)
+        for rows in groups.values():
+            self.conn.execute(_SET_WORKER, rows)
+        self.new.clear()
+        self.changes.clear()
 
 
 def rendezvous(conn: Connection, job_id: str, epoch: int, addr: str, port: int) -> None:
@@ -344,42 +451,10 @@ def upsert_worker(
     events: list[dict[str, Any]],
     now: datetime | None = None,
 ) -> None:
-    """Record an agent's inventory (``WorkerInventory`` as JSON) and what the worker is
-    free for; see ``WorkerRepository.upsert_worker``."""
-    now = now or utcnow()
-    worker_id = inventory["id"]
-    row = conn.execute(_WORKER_NOW, {"worker": worker_id}).first()
-    held = (WorkerState.RESERVED.value, WorkerState.BUSY.value)
-    if held_by is not None:
-        if row is not None and row.job_id == held_by and row.state in held:
-            state, job = row.state, held_by
-        else:
-            state, job = WorkerState.BUSY.value, held_by
-    elif draining:
-        state, job = WorkerState.BUSY.value, None
-    else:  # nothing of any job runs there, as the controller and the agent see it
-        state, job = WorkerState.IDLE.value, None
-    values = {
-        "hostname": inventory["hostname"],
-        "advertise_address": inventory.get("advertise_address"),
-        "inventory": inventory,
-        "last_seen": now,
-        "state": state,
-        "job_id": job,
-    }
-    if row is None:
-        conn.execute(_NEW_WORKER, {"id": worker_id, "joined_at": now, **values})
-        events.append(
-            event_row(
-                "WorkerJoined",
-                f"worker {worker_id} ({inventory['hostname']}) joined",
-                worker=worker_id,
-            )
-        )
-        return
-    if row.state == WorkerState.OFFLINE.value:
-        events.append(event_row("WorkerReturned", f"worker {worker_id} is back", worker=worker_id))
-    conn.execute(_SET_WORKER, {"_worker": worker_id, **values})
+    """One inventory on its own (``WorkerStates.upsert``), written at once."""
+    workers = WorkerStates(conn, [inventory["id"]])
+    workers.upsert(inventory, held_by, draining, events, now)
+    workers.write()
 
 
 def worker_rows(conn: Connection) -> list[tuple[str, str, str]]:

@@ -120,21 +120,45 @@ class WriteRepository(Repository):
         events: list[dict[str, Any]] = []
         with self.db.transaction() as s:
             conn = s.connection()
+            workers = hot.WorkerStates(conn, _workers_of(writes))
             members = hot.MemberStates(
-                conn, {w.job for w in writes if isinstance(w, MemberStateWrite)}
+                conn, {w.job for w in writes if isinstance(w, MemberStateWrite)}, workers
+            )
+            workers.load(  # the workers a member's RUNNING makes busy
+                members.now[(w.job, w.node)].worker_id
+                for w in writes
+                if isinstance(w, MemberStateWrite)
+                and w.state is MemberState.RUNNING
+                and (w.job, w.node) in members.now
             )
             for write in writes:
                 try:
-                    _apply(conn, members, write, events)
+                    _apply(conn, members, workers, write, events)
                 except (IllegalTransition, NotFound) as exc:
                     skipped.append(f"{type(write).__name__}: {exc}")
             members.write()
+            workers.write()
             hot.insert_events(conn, events)  # in the order the writes made them
         return skipped
 
 
+def _workers_of(writes: Sequence[Write]) -> set[str]:
+    """The workers a batch's worker writes name (its RUNNING members' are added after)."""
+    ids: set[str] = set()
+    for write in writes:
+        if isinstance(write, (ReleaseWrite, WorkerStateWrite)):
+            ids.add(write.worker)
+        elif isinstance(write, InventoryWrite):
+            ids.add(str(write.inventory["id"]))
+    return ids
+
+
 def _apply(
-    conn: Connection, members: hot.MemberStates, write: Write, events: list[dict[str, Any]]
+    conn: Connection,
+    members: hot.MemberStates,
+    workers: hot.WorkerStates,
+    write: Write,
+    events: list[dict[str, Any]],
 ) -> None:
     if isinstance(write, MemberStateWrite):
         members.move(
@@ -154,7 +178,7 @@ def _apply(
     elif isinstance(write, JobStateWrite):
         hot.job_state(conn, write.job, write.state, write.reason, events)
     elif isinstance(write, ReleaseWrite):
-        hot.release(conn, write.worker, write.job)
+        workers.release(write.worker, write.job)
     elif isinstance(write, RendezvousWrite):
         hot.rendezvous(conn, write.job, write.epoch, write.addr, write.port)
     elif isinstance(write, ConditionWrite):
@@ -162,6 +186,6 @@ def _apply(
     elif isinstance(write, WhyPendingWrite):
         hot.why_pending(conn, write.reasons, events)
     elif isinstance(write, InventoryWrite):
-        hot.upsert_worker(conn, write.inventory, write.held_by, write.draining, events)
+        workers.upsert(write.inventory, write.held_by, write.draining, events)
     else:
-        hot.worker_state(conn, write.worker, write.state)
+        workers.set_state(write.worker, write.state)

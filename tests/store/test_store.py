@@ -19,10 +19,12 @@ from muster.store.models import Job, Member, Worker
 from muster.store.writes import (
     ConditionWrite,
     EventWrite,
+    InventoryWrite,
     JobStateWrite,
     MemberStateWrite,
     ReleaseWrite,
     WhyPendingWrite,
+    WorkerStateWrite,
 )
 from tests.scheduler.workers import gang, worker
 from tests.store.locks import held_write_lock
@@ -396,6 +398,44 @@ def test_group_commit_keeps_order_and_a_refused_write_spoils_nothing(store: Stor
     assert {w.id: w.state for w in store.workers()}[ids[1]] is WorkerState.IDLE
     kinds = [e.kind for e in store.events(job)]
     assert kinds.index("JobRendezvous") < kinds.index("Assigned") < kinds.index("Note")
+
+
+def test_one_batch_moves_a_worker_through_its_writes_in_order(store: Store) -> None:
+    """The group commit reads the workers a batch touches once and writes them back at its
+    end; what each write sees is still what the writes before it in the batch left."""
+    ids = add_workers(store, 3)
+    job, other = store.submit_job(gang(2)).id, store.submit_job(gang(1)).id
+    store.reserve_placement(job, ids[:2], "private")
+    store.reserve_placement(other, ids[2:], "private")
+    fresh = worker("w-new").model_dump(mode="json")
+    back = worker(ids[2]).model_dump(mode="json")
+    up = (MemberState.ASSIGNED, MemberState.STARTING)
+    started = [MemberStateWrite(job, n, state) for n in (0, 1) for state in up]
+    skipped = store.apply_writes(
+        [
+            *started,
+            MemberStateWrite(job, 0, MemberState.RUNNING),  # w00 busy: still this job's
+            ReleaseWrite(ids[0], other),  # another job's release: w00 stays busy
+            ReleaseWrite(ids[1], job),  # w01 idle ...
+            MemberStateWrite(job, 1, MemberState.RUNNING),  # ... so its RUNNING busies nothing
+            InventoryWrite(fresh),  # a worker joins, then goes away in the same batch
+            WorkerStateWrite("w-new", WorkerState.OFFLINE),
+            WorkerStateWrite(ids[2], WorkerState.OFFLINE),
+            InventoryWrite(back),  # and w02 comes back: idle, no job
+            WorkerStateWrite("w-nobody", WorkerState.IDLE),  # no such worker: nothing
+        ]
+    )
+    assert skipped == []
+    with store.db.transaction() as s:
+        rows = {w.id: (w.state, w.job_id, w.hostname) for w in s.scalars(select(Worker))}
+    assert rows[ids[0]] == ("busy", job, "w00.example")
+    assert rows[ids[1]] == ("idle", None, "w01.example")
+    assert rows["w-new"] == ("offline", None, "w-new.example")
+    assert rows[ids[2]] == ("idle", None, "w02.example")
+    assert "w-nobody" not in rows
+    kinds = [(e.kind, e.worker_id) for e in store.events() if e.kind.startswith("Worker")]
+    assert ("WorkerJoined", "w-new") in kinds
+    assert ("WorkerReturned", ids[2]) in kinds
 
 
 def test_a_window_keeps_its_opening_time_until_an_epoch_is_fenced(store: Store) -> None:
