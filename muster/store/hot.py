@@ -314,8 +314,14 @@ class MemberStates:
         self.changes.clear()
 
 
-_WORKERS_NOW = select(WORKERS.c.id, WORKERS.c.state, WORKERS.c.job_id).where(
-    WORKERS.c.id.in_(bindparam("ids", expanding=True))
+# Locked (PostgreSQL; SQLite's write lock already holds them), in id order as a reservation
+# locks them: a reservation committed between this read and the batch's end would otherwise
+# be written over with what the batch decided from the older row.
+_WORKERS_NOW = (
+    select(WORKERS.c.id, WORKERS.c.state, WORKERS.c.job_id)
+    .where(WORKERS.c.id.in_(bindparam("ids", expanding=True)))
+    .order_by(WORKERS.c.id)
+    .with_for_update()
 )
 _HELD = (WorkerState.RESERVED.value, WorkerState.BUSY.value)
 
@@ -325,7 +331,8 @@ class WorkerStates:
     in one statement, moved in memory in the batch's order, and written back at its end in
     one executemany per set of columns (a busy controller wrote four statements a member:
     its busy, its release, and its inventory's read and update). Nothing else in a batch
-    reads the workers table."""
+    reads the workers table, and the rows read are locked until the commit (no other
+    transaction changes them meanwhile)."""
 
     def __init__(self, conn: Connection, worker_ids: Iterable[str]) -> None:
         self.conn = conn

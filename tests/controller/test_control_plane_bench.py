@@ -28,5 +28,4 @@ def test_the_control_plane_bench_places_every_gang_of_its_quick_run() -> None:
     assert drained, out[-3000:]
     assert drained.group(1) == drained.group(2) == "200", drained.group(0)
     assert drained.group(3) == "0", drained.group(0)
-    assert "agents falsely lost 0" in out, out[-3000:]
     assert re.search(r"placed [1-9][\d.]* gangs/s", out), out[-3000:]

@@ -438,6 +438,38 @@ def test_one_batch_moves_a_worker_through_its_writes_in_order(store: Store) -> N
     assert ("WorkerReturned", ids[2]) in kinds
 
 
+def test_a_reservation_made_while_a_batch_runs_is_not_written_over(
+    store: Store, db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The batch reads its workers at its start and writes them at its end; on PostgreSQL a
+    reservation from another connection could commit in between and be written over (the
+    workers idle again under a placed job). The batch's read locks them: the reservation
+    waits for the commit, then holds."""
+    if not db_url.startswith("postgresql"):
+        pytest.skip("SQLite's write lock keeps a reservation out of the group commit")
+    from muster.store import hot
+
+    ids = add_workers(store, 2)
+    other, job = store.submit_job(gang(1)).id, store.submit_job(gang(2)).id
+    job_state = hot.job_state
+    racer = threading.Thread(target=store.reserve_placement, args=(job, ids, "direct"))
+
+    def reserved_meanwhile(*args: object, **kwargs: object) -> None:
+        if not racer.is_alive() and racer.ident is None:
+            racer.start()
+            racer.join(2)  # blocked on the batch's locks (before the fix: committed)
+        job_state(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(hot, "job_state", reserved_meanwhile)
+    inventories = [InventoryWrite(worker(w).model_dump(mode="json")) for w in ids]
+    assert store.apply_writes([*inventories, JobStateWrite(other, JobState.FAILED, "x")]) == []
+    racer.join(30)
+    with store.db.transaction() as s:
+        rows = {w.id: (w.state, w.job_id) for w in s.scalars(select(Worker))}
+    assert rows == {w: ("reserved", job) for w in ids}
+    assert store.job(job).state == JobState.PLACING
+
+
 def test_a_window_keeps_its_opening_time_until_an_epoch_is_fenced(store: Store) -> None:
     job = store.submit_job(gang(2)).id
     assert store.window_opened_at(job) is None
