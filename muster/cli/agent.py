@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import os
 import socket
 import sys
 from pathlib import Path
+from typing import IO
 from urllib.parse import urlparse
 
 import typer
@@ -28,6 +30,7 @@ from muster.spec import MESH_INTERFACE, WorkerInventory
 from muster.spec.cluster import ssh_option_problem
 from muster.spec.worker import WalkIn
 from muster.store import ensure_data_dir
+from muster.store.engine import make_private_dir
 from muster.wire import open_worker_id
 
 
@@ -369,13 +372,40 @@ def serve(
             "will read as a lost path",
             path_timeout,
         )
+    held = claim_work_dir(config.work_dir)  # before anything in it is swept
     remove_stale_job_dirs(config.work_dir, keep_for)  # nothing runs here yet
     try:
         code = asyncio.run(Agent(config).run())
     finally:
         if claim is not None:
             claim.close()  # (the name is this agent's until here)
+        held.close()
     raise typer.Exit(code)
+
+
+def claim_work_dir(work_dir: Path) -> IO[str]:
+    """One agent per work dir. An agent sweeps what a crashed run of it left (its job dirs,
+    its nftables table, its ranks' cgroups, all named after its worker id and work dir), so a
+    second live agent there, of this cluster or another (both default to the host's name),
+    would stop the first one's ranks. The claim is a lock on ``.agent.lock`` in the dir, held
+    until this process ends (even killed); raises UserError naming the holder."""
+    make_private_dir(work_dir)
+    lock = open(work_dir / ".agent.lock", "a+")  # noqa: SIM115 (held for the agent's life)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.seek(0)
+        holder = lock.read().strip() or "another process"
+        lock.close()
+        raise UserError(
+            f"another muster agent ({holder}) runs in {work_dir}: give this one its own "
+            "--work-dir (or another --name, whose default work dir is its own)"
+        ) from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"pid {os.getpid()}\n")
+    lock.flush()
+    return lock
 
 
 def parse_devices(text: str) -> list[int]:
