@@ -389,8 +389,14 @@ def claim_work_dir(work_dir: Path) -> IO[str]:
     second live agent there, of this cluster or another (both default to the host's name),
     would stop the first one's ranks. The claim is a lock on ``.agent.lock`` in the dir, held
     until this process ends (even killed); raises UserError naming the holder."""
-    make_private_dir(work_dir)
-    lock = open(work_dir / ".agent.lock", "a+")  # noqa: SIM115 (held for the agent's life)
+    try:
+        make_private_dir(work_dir)
+        lock = open(work_dir / ".agent.lock", "a+")  # noqa: SIM115 (held for the agent's life)
+    except OSError as exc:
+        raise UserError(
+            f"the work dir {work_dir} takes no writes ({exc.strerror or exc}); "
+            "free it, fix its permissions or pass --work-dir"
+        ) from None
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:

@@ -38,3 +38,14 @@ def test_a_second_agent_in_a_work_dir_is_refused_and_names_the_first(tmp_path: P
         first.close()
     again = claim_work_dir(work)  # the first one gone (even killed: the lock goes with it)
     again.close()
+
+
+def test_a_work_dir_that_takes_no_writes_says_so(tmp_path: Path) -> None:
+    import pytest
+
+    from muster.errors import UserError
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(UserError, match=r"a-file/w takes no writes .*--work-dir"):
+        claim_work_dir(blocker / "w")
