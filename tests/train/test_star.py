@@ -172,7 +172,10 @@ def test_an_async_save_resumes_on_one_model(tmp_path: Path) -> None:
     for seen in (a, b):
         began = sum(seen["first"]["losses"][:3]) / 3
         resumed = sum(seen["second"]["losses"][:3]) / 3
-        assert resumed < 0.5 * began, (began, resumed)  # (it went on from the save)
+        # It went on from the save: starting over gives the first run's losses again (a
+        # ratio near 1). Async rounds make how far 12 batches got vary: 0.11-0.45 alone,
+        # 0.53 once on a busy 2-worker CI run.
+        assert resumed < 0.75 * began, (began, resumed)
     gap = (torch.tensor(a["second"]["params"]) - torch.tensor(b["second"]["params"])).abs()
     assert float(gap.max()) < 1e-5  # every epoch ends on one model
 
