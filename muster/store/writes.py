@@ -120,17 +120,20 @@ class WriteRepository(Repository):
         events: list[dict[str, Any]] = []
         with self.db.transaction() as s:
             conn = s.connection()
-            workers = hot.WorkerStates(conn, _workers_of(writes))
             members = hot.MemberStates(
-                conn, {w.job for w in writes if isinstance(w, MemberStateWrite)}, workers
+                conn, {w.job for w in writes if isinstance(w, MemberStateWrite)}
             )
-            workers.load(  # the workers a member's RUNNING makes busy
+            busy = {  # the workers a member's RUNNING makes busy
                 members.now[(w.job, w.node)].worker_id
                 for w in writes
                 if isinstance(w, MemberStateWrite)
                 and w.state is MemberState.RUNNING
                 and (w.job, w.node) in members.now
-            )
+            }
+            # Every worker row of the batch read (and on PostgreSQL locked) in one statement,
+            # in id order as reservations lock theirs: two reads could deadlock with one.
+            workers = hot.WorkerStates(conn, _workers_of(writes) | busy)
+            members.workers = workers
             for write in writes:
                 try:
                     _apply(conn, members, workers, write, events)
