@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -83,6 +85,25 @@ def nodes(
             if p.poll() is None:
                 p.kill()
             p.wait()
+        # Its ranks too (torchrun starts each in a session of its own): killing torchrun
+        # alone left the freeze scenario's SIGSTOPped rank stopped for ever, one per run.
+        for rank in _processes_with(str(out)):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(rank, signal.SIGKILL)
+
+
+def _processes_with(arg: str) -> list[int]:
+    """The processes whose command line holds ``arg`` (Linux /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if arg.encode() in argv:
+                found.append(int(entry.name))
+    return found
 
 
 def test_the_consensus_is_the_same_whatever_the_fold_depth(tmp_path: Path) -> None:
