@@ -14,8 +14,12 @@ Procedure, per slowdown k:
 2. Every arm is tuned on its own: learning rate on a x2 grid (and the period of post-local SGD,
    the anchor of cadence), on tuning seeds separate from the measured ones, for the least
    median time to the final target.
-3. The tuned arms run on the measured seeds (>= 5); medians, and the range of the paired
-   per-seed ratios.
+3. The tuned arms run on the measured seeds (>= 5); medians, and for the paired per-seed
+   ratios against ddp-prop, ddp and post-local SGD ("vs": the other's time over this arm's,
+   above 1 this arm is faster) their median with a paired bootstrap 95% interval (from 10
+   seeds on; below that, their range). Time to target moves in whole windows (81 virtual ms
+   for an anchor of 8 at k=1), so one seed swings an arm by 10-20%: read the goals at
+   ``--seeds 15``.
 
 Printed per k and arm: time to the early and final targets (virtual ms), samples to the final
 target, statistical efficiency (the single rank's samples / the arm's), throughput against DDP
@@ -78,10 +82,31 @@ ARMS = [
 ]
 
 
+BOOTSTRAP_FROM = 10  # seeds: below this, the range of the ratios instead of an interval
+
+
 def spread(ratios: list[float]) -> tuple[float, float]:
-    """The range of the paired per-seed ratios. (A percentile bootstrap of the median of 5
-    seeds returns this very range and would call it a 95% interval; it is not one.)"""
-    return min(ratios), max(ratios)
+    """An interval for the median of the paired per-seed ratios.
+
+    From ``BOOTSTRAP_FROM`` seeds on, the percentile bootstrap's 95% interval (2,000
+    resamples of the seeds, pairs kept together, a fixed generator). Below it, the range of
+    the ratios: a percentile bootstrap of the median of 5 seeds returns that very range and
+    would call it a 95% interval; it is not one.
+    """
+    if len(ratios) < BOOTSTRAP_FROM:
+        return min(ratios), max(ratios)
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(2000))
+    return medians[49], medians[1949]  # the 2.5th and 97.5th percentiles
+
+
+def paired(mine: list[float], theirs: list[float]) -> str:
+    """``theirs / mine`` per seed: its median and interval (above 1: this arm is faster)."""
+    ratios = [t / m for t, m in zip(theirs, mine, strict=True)]
+    if not all(math.isfinite(r) for r in ratios):
+        return "-"
+    lo, hi = spread(ratios)
+    return f"{statistics.median(ratios):.2f} ({lo:.2f}-{hi:.2f})"
 
 
 def fmt(x: float | None, unit: str = "") -> str:
@@ -127,7 +152,8 @@ def report(
     print(f"\nk = {k}: virtual ms to H*+{gaps[1]:g} and H*+{gaps[0]:g} (median of {len(datas)})")
     print(
         f"{'arm':14} {'lr':>7} {'per':>4} {'early':>8} {'final':>8} {'samples':>9} "
-        f"{'stat eff':>8} {'thru/ddp':>8} {'phi':>6} {'vs prop (seed range)':>20}"
+        f"{'stat eff':>8} {'thru/ddp':>8} {'phi':>6} {'vs prop':>17} {'vs ddp':>17} "
+        f"{'vs local':>17}"
     )
     summary: dict[str, float] = {}
     for arm in arms:
@@ -142,16 +168,12 @@ def report(
         if arm.name in ("cadence", "local", "sync") and kf > 1:
             phis = [(a / x - 1) * kf for a, x in zip(alone, final[label], strict=True)]
             phi = f"{statistics.median(phis):.2f}"
-        ratios = [p / x for p, x in zip(final["ddp-prop"], final[label], strict=True)]
-        if all(math.isfinite(r) for r in ratios):
-            lo, hi = spread(ratios)
-            vs = f"{statistics.median(ratios):.2f} ({lo:.2f}-{hi:.2f})"
-        else:
-            vs = "-"
         period = str(arm.period) if arm.name in ("local", "cadence") else ""
+        versus = [paired(final[label], final[other]) for other in ("ddp-prop", "ddp", "local")]
         print(
             f"{label:14} {arm.lr:7.0e} {period:>4} {fmt(statistics.median(early[label])):>8} "
-            f"{fmt(t):>8} {fmt(s):>9} {stat_eff:8.2f} {thru:7.2f}{flag:2} {phi:>6} {vs:>20}"
+            f"{fmt(t):>8} {fmt(s):>9} {stat_eff:8.2f} {thru:7.2f}{flag:2} {phi:>6} "
+            + " ".join(f"{v:>17}" for v in versus)
         )
     return summary
 

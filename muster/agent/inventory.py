@@ -14,6 +14,7 @@ from muster.agent.gpus import list_gpus
 from muster.errors import InfrastructureError, UserError
 from muster.net.wireguard import device_unavailable, has_cap_net_admin
 from muster.spec import MESH_INTERFACE, Gpus, NetworkCaps, WorkerInventory
+from muster.spec.worker import UNDECLARED
 
 _PROBE = """
 import importlib.util, json, platform
@@ -155,6 +156,7 @@ def collect(
     labels: dict[str, str] | None = None,
     interface: str | None = None,
     device: str = MESH_INTERFACE,
+    location: tuple[str, str, str] = (UNDECLARED, UNDECLARED, UNDECLARED),
 ) -> WorkerInventory:
     py = probe_python(python)
     gpus = probe_gpus()
@@ -168,6 +170,9 @@ def collect(
         torchrun=bool(py.get("torchrun")),
         backends=backends,
         gpus=gpus,
+        provider=location[0],
+        region=location[1],
+        region_class=location[2],
         network=network_caps(address, private_network, interface, device),
         labels=labels or {},
     )

@@ -33,8 +33,8 @@ from muster.net.probe import (
     probe_peers,
     route_of,
 )
-from muster.net.wireguard import Device, Peer, device_unavailable
-from muster.plan import MESH_PREFIX
+from muster.net.wireguard import Device, Peer, device_unavailable, uplink_mtu
+from muster.plan import MESH_MTU, MESH_PREFIX, device_mtu
 from muster.spec import MESH_INTERFACE, PathClass
 from muster.wire import Kind
 
@@ -102,8 +102,12 @@ class GangNetwork:
                         port, public = await asyncio.to_thread(public_endpoint, self.reflector)
                     if self.closed:
                         raise RuntimeError("the agent is stopping")
+                    uplink = None
+                    if self.reflector is not None:
+                        uplink = await asyncio.to_thread(uplink_mtu, self.reflector[0])
+                    mtu = device_mtu(int(body.get("mtu") or MESH_MTU), uplink)
                     await asyncio.to_thread(
-                        self.device.up, str(body["address"]), int(body["prefix"]), port
+                        self.device.up, str(body["address"]), int(body["prefix"]), port, mtu
                     )
                     self.owner = (str(body["job"]), int(body["epoch"]))
                 except Exception as exc:  # the controller fails the epoch with this reason
@@ -113,10 +117,11 @@ class GangNetwork:
             await self.send(Kind.NET_READY, {**ids, "error": why})
             return
         log.info(
-            "job %s: device %s up at %s, UDP port %d (seen outside as %s)",
+            "job %s: device %s up at %s, MTU %d, UDP port %d (seen outside as %s)",
             ids["job"],
             self.device.name,
             body["address"],
+            self.device.mtu,
             self.device.port,
             f"{public[0]}:{public[1]}" if public else "unknown",
         )

@@ -6,6 +6,7 @@ import asyncio
 import fcntl
 import logging
 import os
+import re
 import socket
 import sys
 from pathlib import Path
@@ -28,7 +29,7 @@ from muster.errors import UserError
 from muster.net.wireguard import claim_device, device_unavailable
 from muster.spec import MESH_INTERFACE, WorkerInventory
 from muster.spec.cluster import ssh_option_problem
-from muster.spec.worker import WalkIn
+from muster.spec.worker import LOCATION, UNDECLARED, WalkIn
 from muster.store import ensure_data_dir
 from muster.store.engine import make_private_dir
 from muster.wire import open_worker_id
@@ -62,6 +63,20 @@ def agent(
         None,
         help="network interface the ranks bind (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME) "
         "[the one holding the advertise address]",
+    ),
+    provider: str = typer.Option(
+        "local",
+        envvar="MUSTER_PROVIDER",
+        help="the provider this host is in (aws, gcp, onprem); with --region, it places "
+        "`network: colocated` jobs and sizes the direct path's packets [local: undeclared]",
+    ),
+    region: str = typer.Option(
+        "local", envvar="MUSTER_REGION", help="the provider's region (us-east-1) [local]"
+    ),
+    region_class: str = typer.Option(
+        "local",
+        envvar="MUSTER_REGION_CLASS",
+        help="regions close enough for `network: regional` jobs (us, eu) [local]",
     ),
     device: str = typer.Option(
         None,
@@ -100,6 +115,7 @@ def agent(
         work_dir=work_dir,
         advertise_address=advertise_address,
         private_network=private_network,
+        location=(provider, region, region_class),
         interface=interface,
         device=device,
         persist=persist,
@@ -143,6 +159,20 @@ def join(
         None, help="id of the private network this box shares with the others [none]"
     ),
     interface: str = typer.Option(None, help="network interface the ranks bind"),
+    provider: str = typer.Option(
+        "local",
+        envvar="MUSTER_PROVIDER",
+        help="the provider this host is in (aws, gcp, onprem); with --region, it places "
+        "`network: colocated` jobs and sizes the direct path's packets [local: undeclared]",
+    ),
+    region: str = typer.Option(
+        "local", envvar="MUSTER_REGION", help="the provider's region (us-east-1) [local]"
+    ),
+    region_class: str = typer.Option(
+        "local",
+        envvar="MUSTER_REGION_CLASS",
+        help="regions close enough for `network: regional` jobs (us, eu) [local]",
+    ),
     persist: bool = typer.Option(
         False, help="when refused, or the link is lost, dial again (5 s doubling to 60 s)"
     ),
@@ -253,6 +283,7 @@ def join(
         work_dir=work_dir,
         advertise_address=advertise_address,
         private_network=private_network,
+        location=(provider, region, region_class),
         interface=interface,
         device=None,
         persist=persist,
@@ -285,6 +316,7 @@ def serve(
     private_network: str | None,
     interface: str | None,
     device: str | None,
+    location: tuple[str, str, str] = (UNDECLARED, UNDECLARED, UNDECLARED),
     persist: bool,
     path_timeout: float,
     grace: float,
@@ -301,6 +333,12 @@ def serve(
     """Run an agent until its link ends (or for ever with ``persist``); exits with its code.
     ``open_to`` (job, certificate fingerprint): walk in to that job without the join string."""
     keep_for = parse_retention(retention, "--retention")
+    for flag, value in zip(("--provider", "--region", "--region-class"), location, strict=True):
+        if not re.match(LOCATION, value):
+            raise UserError(
+                f"{flag} {value!r}: a name is 1-63 letters, digits and '_.:-', starting with "
+                "a letter or digit (aws, us-east-1)"
+            )
     url = controller_url(controller)
     token = read_secret(token_file, "MUSTER_TOKEN", "the join string")
     if open_to is not None:
@@ -348,6 +386,7 @@ def serve(
                 private_network,
                 interface=bound_interface,
                 device=device_name,
+                location=location,
             ),
             walk_in,
         ),

@@ -66,7 +66,8 @@ def get(
                 (note or "").split("\n")[0],
             )
     elif what in ("workers", "worker"):
-        for col in ("WORKER", "STATE", "JOB", "ADDRESS", "TORCH", "GPUS", "DIRECT", "CONNECTED"):
+        columns = ("WORKER", "STATE", "JOB", "ADDRESS", "REGION", "TORCH", "GPUS", "DIRECT")
+        for col in (*columns, "CONNECTED"):
             table.add_column(col)
         for w in api.workers():
             table.add_row(
@@ -74,6 +75,8 @@ def get(
                 w["state"],
                 w["job"] or "",
                 w["advertise_address"] or "",
+                # provider/region as its agent declared them; "-" when it declared none.
+                "-" if w.get("region", "local") == "local" else f"{w['provider']}/{w['region']}",
                 w["torch"] or "-",
                 str(w["gpus"]),
                 # It can make the direct path's WireGuard device (see README: networks).

@@ -453,6 +453,10 @@ async def worker_list(st: Store, ctl: Controller) -> list[dict[str, Any]]:
             "advertise_address": w.advertise_address,
             "torch": w.inventory.get("torch_version"),
             "gpus": w.inventory.get("gpus", {}).get("count", 0),
+            # Where it is, as its agent declared (--provider, --region; "local": undeclared).
+            "provider": w.inventory.get("provider", "local"),
+            "region": w.inventory.get("region", "local"),
+            "region_class": w.inventory.get("region_class", "local"),
             "network": {
                 key: w.inventory.get("network", {}).get(key)
                 for key in ("private_network_id", "can_create_device", "container_only", "device")

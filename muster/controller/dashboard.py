@@ -303,6 +303,8 @@ async def _worker_rows(request: Request) -> list[dict[str, Any]]:
     for w in rows:
         net = w.get("network") or {}
         parts = []
+        if w.get("region", "local") != "local":
+            parts.append(f"{w['provider']}/{w['region']}")
         if net.get("private_network_id"):
             parts.append(f"private {net['private_network_id']}")
         if net.get("can_create_device"):

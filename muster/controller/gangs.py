@@ -79,7 +79,14 @@ from muster.gang import (
 )
 from muster.gang.lifecycle import probe_budget
 from muster.net.relaywire import issue_ticket
-from muster.plan import MESH_GANGS, MESH_MAX_NODES, MESH_PREFIX, gang_addressing, mesh_address
+from muster.plan import (
+    MESH_GANGS,
+    MESH_MAX_NODES,
+    MESH_PREFIX,
+    gang_addressing,
+    mesh_address,
+    mesh_mtu,
+)
 from muster.scheduler import IP_COLLISION, Placement, PoolIndex, QueuedJob, schedule
 from muster.spec import (
     MESH_INTERFACE,
@@ -295,6 +302,7 @@ class Controller:
                     "node_rank": action.node,
                     "address": mesh_address(action.node, entry.mesh),
                     "prefix": MESH_PREFIX,
+                    "mtu": mesh_mtu(entry.inventories),
                     "join_key": entry.join_keys.issue(action.node),
                 }
                 await send(action.worker, Kind.NET_SETUP, setup)

@@ -2,10 +2,12 @@
 
 The agent makes it, never the job: a fresh X25519 key pair (the private key never leaves this
 host and never goes on a command line: ``wg`` reads it on stdin), a device ``muster0`` with the
-member's mesh address, MTU 1280 (safe across providers), and the gang's peers with a 25 s
-keepalive. Kernel WireGuard is used where the kernel has it; otherwise ``wireguard-go`` (user
-space, run in the foreground as the agent's child, with a parent-death signal, so it goes when
-the agent does, even killed). Removing the device ends wireguard-go.
+member's mesh address, the gang's MTU (1280, safe across providers; 1420 in one declared
+provider region; never more than the uplink carries: muster.plan.mesh_mtu, device_mtu), and
+the gang's peers with a 25 s keepalive. Kernel WireGuard is used where the kernel has it;
+otherwise ``wireguard-go`` (user space, run in the foreground as the agent's child, with a
+parent-death signal, so it goes when the agent does, even killed). Removing the device ends
+wireguard-go.
 """
 
 from __future__ import annotations
@@ -25,13 +27,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+import psutil
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from muster.errors import InfrastructureError, UserError
+from muster.plan import MESH_MTU
 from muster.spec.network import MESH_INTERFACE
 
-MTU = 1280
 KEEPALIVE_S = 25
 WG_SOCKETS = Path("/run/wireguard")
 START_TIMEOUT_S = 10.0
@@ -169,6 +172,22 @@ def _run(*args: str, input: str | None = None) -> str:
     return done.stdout
 
 
+def uplink_mtu(toward: str) -> int | None:
+    """The MTU of the interface this host reaches ``toward`` through (None: unknown)."""
+    try:
+        family = socket.AF_INET6 if ":" in toward else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((toward, 9))  # (UDP: nothing is sent; the kernel picks a route)
+            local = probe.getsockname()[0]
+        for name, addrs in psutil.net_if_addrs().items():
+            if any(a.address.split("%")[0] == local for a in addrs):
+                stats = psutil.net_if_stats().get(name)
+                return stats.mtu if stats is not None and stats.mtu > 0 else None
+    except OSError:
+        return None
+    return None
+
+
 class Device:
     """The agent's device (``muster0`` unless it claimed another name, see
     :func:`claim_device`) for one member of one epoch; ``down`` removes every trace of it."""
@@ -179,10 +198,11 @@ class Device:
         self.process: subprocess.Popen[bytes] | None = None
         self.public_key = ""
         self.port = 0
+        self.mtu = 0
 
-    def up(self, address: str, prefix: int, listen_port: int = 0) -> None:
+    def up(self, address: str, prefix: int, listen_port: int = 0, mtu: int = MESH_MTU) -> None:
         """Create the device with ``address/prefix``, a fresh key, listening on UDP
-        ``listen_port`` (0: a random one)."""
+        ``listen_port`` (0: a random one), at ``mtu``."""
         if foreign_interface(self.name):
             raise InfrastructureError(
                 f"{self.name} is an interface of this host that muster did not make; muster "
@@ -202,7 +222,8 @@ class Device:
                  "listen-port", str(listen_port), input=private + "\n")  # fmt: skip
             self.port = int(_run("wg", "show", self.name, "listen-port").strip())
             _run("ip", "address", "add", f"{address}/{prefix}", "dev", self.name)
-            _run("ip", "link", "set", self.name, "mtu", str(MTU), "up")
+            _run("ip", "link", "set", self.name, "mtu", str(mtu), "up")
+            self.mtu = mtu
         except BaseException:
             self.down(made=True)
             raise

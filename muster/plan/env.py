@@ -22,7 +22,7 @@ from muster.plan.ranks import node_procs
 from muster.spec.job import JobSpec
 from muster.spec.network import PathClass
 from muster.spec.rules import PLATFORM_ENV, PLATFORM_ENV_PREFIXES
-from muster.spec.worker import WorkerInventory
+from muster.spec.worker import UNDECLARED, WorkerInventory
 
 #: First address of the direct path's mesh range (100.64.0.0/10). Gang g (an index the
 #: controller allocates among its running direct gangs, so gangs sharing a host never share
@@ -32,6 +32,14 @@ MESH_PREFIX = 22
 MESH_GANG_SIZE = 1 << (32 - MESH_PREFIX)
 MESH_GANGS = 1 << (MESH_PREFIX - 10)  # 4,096 direct gangs at once
 MESH_MAX_NODES = MESH_GANG_SIZE - 2
+#: The direct path's packet size (the WireGuard device's MTU). 1280 (IPv6's minimum) crosses
+#: any provider's network and the internet unfragmented (DESIGN.md); inside one declared
+#: provider region the usual 1500-byte path carries WireGuard's own default, 1420 (1500 less
+#: the 80 bytes of an IPv6 WireGuard header), about 10% more payload per packet. Each agent
+#: lowers it further to what its uplink carries (its MTU less 80).
+MESH_MTU = 1280
+MESH_MTU_REGION = 1420
+WIREGUARD_OVERHEAD = 80
 
 #: NCCL variables the path fixes; a job's own value for them is refused at submission.
 PATH_FIXED_NCCL = ("NCCL_NET", "NCCL_SOCKET_IFNAME", "NCCL_SOCKET_FAMILY", "NCCL_IB_DISABLE")
@@ -86,6 +94,25 @@ def mesh_gang_of(address: str) -> int:
     if not 0 <= value < MESH_GANGS * MESH_GANG_SIZE:
         raise ValueError(f"{address} is not in the direct path's mesh range (100.64.0.0/10)")
     return value // MESH_GANG_SIZE
+
+
+def mesh_mtu(members: Sequence[WorkerInventory]) -> int:
+    """The largest MTU a direct gang's devices may take: WireGuard's 1420 when every member
+    declared one and the same provider region (``muster agent --provider --region``), else
+    1280. Undeclared ("local") hosts may be anywhere, so they get 1280."""
+    places = {(m.provider, m.region) for m in members}
+    if len(places) == 1 and UNDECLARED not in next(iter(places)):
+        return MESH_MTU_REGION
+    return MESH_MTU
+
+
+def device_mtu(offered: int, uplink_mtu: int | None) -> int:
+    """What an agent's device takes of the gang's ``offered`` MTU: no more than its uplink
+    carries once WireGuard's header is added (a GCP VPC's 1460 gives 1380), never below
+    1280 (the smallest an IPv6 path may have; WireGuard's own floor)."""
+    if uplink_mtu is not None and uplink_mtu > 0:
+        offered = min(offered, uplink_mtu - WIREGUARD_OVERHEAD)
+    return max(MESH_MTU, offered)
 
 
 def gang_addressing(

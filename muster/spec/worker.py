@@ -11,6 +11,11 @@ from muster.spec.states import WorkerState
 
 GpuVendor = Literal["nvidia", "amd", "intel", "apple"]
 
+# A provider, region or region class name (``aws``, ``us-east-1``, ``eu``): what `muster
+# agent --provider/--region/--region-class` takes. "local" is the default: not declared.
+LOCATION = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,62}$"
+UNDECLARED = "local"
+
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
@@ -74,9 +79,15 @@ class WorkerInventory(_Model):
     torchrun: bool = False
     backends: list[str] = Field(default_factory=list)
     gpus: Gpus = Field(default_factory=Gpus)
-    provider: str = "local"
-    region: str = "local"
-    region_class: str = "local"
+    provider: str = Field(default=UNDECLARED, pattern=LOCATION, description="aws, gcp, onprem")
+    region: str = Field(
+        default=UNDECLARED, pattern=LOCATION, description="the provider's region (us-east-1)"
+    )
+    region_class: str = Field(
+        default=UNDECLARED,
+        pattern=LOCATION,
+        description="regions close enough for a `regional` job (eu, us-east)",
+    )
     network: NetworkCaps = Field(default_factory=NetworkCaps)
     labels: dict[str, str] = Field(default_factory=dict, max_length=64)
     join: WalkIn | None = Field(default=None, description="a walk-in: the window it joins")

@@ -21,7 +21,9 @@ ENV_PROBE = """
 import os, socket, torch.distributed as dist
 keys = ("MASTER_ADDR", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "NCCL_NET",
         "NCCL_IB_DISABLE", "MUSTER_GANG_TRANSPORT", "MUSTER_NODE_IPS")
-print("env " + " ".join(f"{k}={os.environ.get(k, '-')}" for k in keys), flush=True)
+mtu = open(f"/sys/class/net/{os.environ['GLOO_SOCKET_IFNAME']}/mtu").read().strip()
+print("env " + " ".join(f"{k}={os.environ.get(k, '-')}" for k in keys) + f" mtu={mtu}",
+      flush=True)
 dist.init_process_group("gloo")
 t = torch_tensor = __import__("torch").ones(1) * (dist.get_rank() + 1)
 dist.all_reduce(t)
@@ -95,11 +97,44 @@ def test_a_gloo_job_runs_over_the_direct_path_between_two_regions(rig: Rig, tmp_
         assert env["NCCL_IB_DISABLE"] == "1"
         assert env["MUSTER_GANG_TRANSPORT"] == "direct"
         assert env["MUSTER_NODE_IPS"] == "100.64.0.1,100.64.0.2"
+        assert env["mtu"] == "1280", env  # hosts that declared no region: safe anywhere
     sums = [ln["text"] for ln in lines if ln["text"].startswith("sum=")]
     assert sums == ["sum=10 expected=10"] * 4, lines
     assert node0["worker"] in ("h1", "h2")
 
     # Nothing of the gang's network is left on either host once the job is over.
+    wait_no_device_left(rig, (h1, h2))
+
+
+def test_hosts_in_one_declared_region_use_wireguards_larger_packets(
+    rig: Rig, tmp_path: Path
+) -> None:
+    """Two routed hosts that declare one provider region: their devices take 1420 bytes
+    (WireGuard's default over a 1500-byte path), and the job's traffic crosses at that size."""
+    needs("wg", "wireguard-go")
+    h1, h2 = rig.two_regions(2)
+    ctl = rig.start_cluster((h1, h2), "--provider", "rig", "--region", "lab-1")
+    workers = {w["id"]: w for w in rig.api("workers")}
+    assert (workers["h1"]["provider"], workers["h1"]["region"]) == ("rig", "lab-1"), workers
+    table = rig.muster(ctl, "get", "workers")
+    assert table.count("rig/lab-1") == 2, table
+    job_dir = tmp_path / "region"
+    job_dir.mkdir()
+    (job_dir / "train.py").write_text(
+        ENV_PROBE.replace("ones(1)", "ones(2**20)").replace("int(t.item())", "int(t[0].item())")
+    )
+    (job_dir / "job.yaml").write_text(
+        "name: region\nentrypoint: train.py\ntimeout: 5m\ndistributed: {num_workers: 2, "
+        "procs_per_worker: 1, backend: gloo, probe_seconds: 1, network: colocated}\n"
+    )
+    job_id = rig.muster(ctl, "submit", str(job_dir / "job.yaml")).strip()
+    job = rig.wait_done(job_id)
+    assert job["state"] == "succeeded", (job["root_cause"], job["events"])
+    assert job["path_class"] == "direct"
+    lines = [ln["text"] for ln in rig.api("logs", job_id)["lines"]]
+    mtus = [ln.rpartition("mtu=")[2] for ln in lines if ln.startswith("env ")]
+    assert mtus == ["1420", "1420"], lines
+    assert [ln for ln in lines if ln.startswith("sum=")] == ["sum=3 expected=3"] * 2, lines
     wait_no_device_left(rig, (h1, h2))
 
 

@@ -7,7 +7,15 @@ from typing import Any
 import pytest
 
 from muster.errors import PlatformError
-from muster.plan import GangAddressing, Shim, gang_addressing, launch_env, mesh_address
+from muster.plan import (
+    GangAddressing,
+    Shim,
+    device_mtu,
+    gang_addressing,
+    launch_env,
+    mesh_address,
+    mesh_mtu,
+)
 from muster.spec import NetworkCaps, PathClass, WorkerInventory, parse_job
 
 MEMBERS = [
@@ -197,3 +205,28 @@ def test_each_node_is_told_its_own_process_count_in_a_mixed_world() -> None:
         env_for(PathClass.PRIVATE, node=n, spec=base)["MUSTER_PROCS_PER_NODE"] for n in range(3)
     ]
     assert counts == ["2", "1", "4"]
+
+
+def placed(*where: tuple[str, str]) -> list[WorkerInventory]:
+    return [
+        WorkerInventory(id=f"w{i}", hostname=f"h{i}", provider=provider, region=region)
+        for i, (provider, region) in enumerate(where)
+    ]
+
+
+def test_the_direct_paths_packets_are_larger_only_inside_one_declared_region() -> None:
+    assert mesh_mtu(placed(("aws", "us-east-1"), ("aws", "us-east-1"))) == 1420
+    assert mesh_mtu(placed(("aws", "us-east-1"), ("aws", "us-west-2"))) == 1280
+    assert mesh_mtu(placed(("aws", "us-east-1"), ("gcp", "us-east-1"))) == 1280
+    # Undeclared hosts may be anywhere: the size that crosses any network.
+    assert mesh_mtu(placed(("local", "local"), ("local", "local"))) == 1280
+    assert mesh_mtu(placed(("aws", "local"), ("aws", "local"))) == 1280
+
+
+def test_each_device_fits_its_own_uplink() -> None:
+    assert device_mtu(1420, 1500) == 1420
+    assert device_mtu(1420, 9001) == 1420  # a jumbo-frame VPC: still WireGuard's default
+    assert device_mtu(1420, 1460) == 1380  # a GCP VPC's default MTU
+    assert device_mtu(1420, 1300) == 1280  # never below IPv6's minimum
+    assert device_mtu(1280, 1500) == 1280
+    assert device_mtu(1420, None) == 1420  # uplink unknown: the gang's choice
