@@ -39,7 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from muster.gang.lifecycle import probe_rounds
-from muster.plan import MESH_MTU, MESH_MTU_REGION, device_mtu
+from muster.plan import MESH_MTU, MESH_MTU_REGION
 from tests.net.rig import Host, Rig, missing_tools, why_unavailable
 
 PROBE_SECONDS = 10.0  # the spec's default probe_seconds (a steady link ends sooner)
@@ -164,17 +164,20 @@ def wireguard_by_hand(
 
 
 def muster_direct(
-    rig: Rig, hosts: tuple[Host, Host], name: str, port: int, net: str, mtu: int
-) -> None:
-    """muster's device on each host, made by muster.net.wireguard as the agent makes it, at
-    ``mtu`` (what muster.plan.mesh_mtu and device_mtu give the gang)."""
+    rig: Rig, hosts: tuple[Host, Host], name: str, port: int, net: str, offered: int
+) -> int:
+    """muster's device on each host, made by muster.net.wireguard as the agent makes it: the
+    gang's ``offered`` MTU (muster.plan.mesh_mtu) lowered to the host's uplink toward its peer
+    (device_mtu, uplink_mtu). Returns the MTU the first host's device took."""
     code = textwrap.dedent(
         f"""
         import json, sys, time
-        from muster.net.wireguard import Device, Peer
+        from muster.net.wireguard import Device, Peer, uplink_mtu
+        from muster.plan import device_mtu
         d = Device({name!r})
-        d.up(sys.argv[1], 22, {port}, {mtu})
-        print(json.dumps({"key": d.public_key}), flush=True)
+        mtu = device_mtu({offered}, uplink_mtu(sys.argv[2]))
+        d.up(sys.argv[1], 22, {port}, mtu)
+        print(json.dumps({{"key": d.public_key, "mtu": mtu}}), flush=True)
         peer = json.loads(sys.stdin.readline())
         d.set_peers([Peer(peer["key"], peer["endpoint"], peer["address"])])
         print("up", flush=True)
@@ -186,13 +189,14 @@ def muster_direct(
     for i, host in enumerate(hosts):
         procs.append(
             subprocess.Popen(
-                host.argv([sys.executable, "-c", code, f"{net}.{i + 1}"]),
+                host.argv([sys.executable, "-c", code, f"{net}.{i + 1}", hosts[1 - i].address]),
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 text=True,
             )
         )
-    keys = [json.loads(p.stdout.readline())["key"] for p in procs]  # type: ignore[union-attr]
+    made = [json.loads(p.stdout.readline()) for p in procs]  # type: ignore[union-attr]
+    keys = [m["key"] for m in made]
     for i, proc in enumerate(procs):
         other = hosts[1 - i]
         peer = {
@@ -204,6 +208,7 @@ def muster_direct(
         proc.stdin.flush()  # type: ignore[union-attr]
         assert proc.stdout.readline().strip() == "up"  # type: ignore[union-attr]
     rig.procs.extend(procs)  # type: ignore[arg-type]
+    return int(made[0]["mtu"])
 
 
 PROBE = textwrap.dedent(
@@ -299,8 +304,7 @@ def main() -> None:
         # Hosts that declared no region (or several): 1280. One declared provider region:
         # 1420, as each agent's device_mtu gives it over this rig's 1500-byte veths.
         muster_direct(rig, (a, b), "muster0", 51901, "100.64.0", MESH_MTU)
-        region_mtu = device_mtu(MESH_MTU_REGION, 1500)
-        muster_direct(rig, (a, b), "muster1", 51903, "100.64.4", region_mtu)
+        region_mtu = muster_direct(rig, (a, b), "muster1", 51903, "100.64.4", MESH_MTU_REGION)
         for address in ("10.99.0.2", "100.64.0.2", "100.64.4.2"):  # the first handshakes
             assert any(rig.reaches(a, address, timeout=5) for _ in range(3)), address
 

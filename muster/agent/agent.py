@@ -101,6 +101,7 @@ class AgentConfig:
     # every 25 s, so it is more than two of those.
     path_timeout: float = 60.0
     handshake_timeout: float = 30.0  # a new device's wait for every peer's first handshake
+    direct_mtu: int | None = None  # the most its direct-path device takes (--direct-mtu)
     # The name of this agent's WireGuard device (claimed by `muster agent`, one per agent).
     device: str = MESH_INTERFACE
     # `muster join --ssh`: each dial goes through a fresh OpenSSH forward (``controller`` is
@@ -182,6 +183,7 @@ class Agent:
             agent_key(config.worker_id, config.work_dir),
             path_timeout=config.path_timeout,
             handshake_timeout=config.handshake_timeout,
+            direct_mtu=config.direct_mtu,
             device=config.device,
             python=config.python,
         )

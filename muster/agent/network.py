@@ -58,6 +58,7 @@ class GangNetwork:
         *,
         path_timeout: float = 60.0,
         handshake_timeout: float = HANDSHAKE_TIMEOUT_S,
+        direct_mtu: int | None = None,
         device: str = MESH_INTERFACE,
         python: str = "python3",
     ) -> None:
@@ -68,6 +69,7 @@ class GangNetwork:
         self.peer_nodes: dict[str, int] = {}  # mesh address -> node rank (NET_PEERS)
         self.path_timeout = path_timeout
         self.handshake_timeout = handshake_timeout
+        self.direct_mtu = direct_mtu  # the operator's cap on the device's MTU
         self.firewall = firewall.Firewall(key)  # key: firewall.agent_key
         self.firewall_id = key
         self.groups: cgroup.RankGroups | None = None  # where the ranks' cgroups are made
@@ -105,7 +107,8 @@ class GangNetwork:
                     uplink = None
                     if self.reflector is not None:
                         uplink = await asyncio.to_thread(uplink_mtu, self.reflector[0])
-                    mtu = device_mtu(int(body.get("mtu") or MESH_MTU), uplink)
+                    offered = int(body.get("mtu") or MESH_MTU)
+                    mtu = device_mtu(min(offered, self.direct_mtu or offered), uplink)
                     await asyncio.to_thread(
                         self.device.up, str(body["address"]), int(body["prefix"]), port, mtu
                     )

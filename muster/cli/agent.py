@@ -99,6 +99,14 @@ def agent(
         "peer before the epoch is fenced, naming the silent ones (wireguard-go retries a "
         "handshake every 5 s; the controller's bound on the whole set-up is 120 s)",
     ),
+    direct_mtu: int = typer.Option(
+        None,
+        min=1280,
+        max=1420,
+        help="the most this host's direct-path device takes: for a path that carries less "
+        "than its link says (PPPoE, a VPN underneath) [the gang's 1280, or 1420 in one "
+        "declared region, less what the uplink lacks]",
+    ),
     grace: float = typer.Option(10.0, help="seconds between SIGTERM and SIGKILL on stop"),
     retention: str = typer.Option(
         "0",
@@ -123,6 +131,7 @@ def agent(
         grace=grace,
         retention=retention,
         handshake_timeout=handshake_timeout,
+        direct_mtu=direct_mtu,
     )
 
 
@@ -322,6 +331,7 @@ def serve(
     grace: float,
     retention: str,
     handshake_timeout: float = 30.0,
+    direct_mtu: int | None = None,
     walk_in: tuple[str | None, str, int | None, str | None] | None = None,
     backoff: tuple[float, float] | None = None,
     tunnel: SshTunnel | None = None,
@@ -334,7 +344,7 @@ def serve(
     ``open_to`` (job, certificate fingerprint): walk in to that job without the join string."""
     keep_for = parse_retention(retention, "--retention")
     for flag, value in zip(("--provider", "--region", "--region-class"), location, strict=True):
-        if not re.match(LOCATION, value):
+        if not re.fullmatch(LOCATION, value):
             raise UserError(
                 f"{flag} {value!r}: a name is 1-63 letters, digits and '_.:-', starting with "
                 "a letter or digit (aws, us-east-1)"
@@ -395,6 +405,7 @@ def serve(
         retention=keep_for,
         path_timeout=path_timeout,
         handshake_timeout=handshake_timeout,
+        direct_mtu=direct_mtu,
         device=device_name,
     )
     if backoff is not None:

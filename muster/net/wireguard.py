@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import ctypes
+import ipaddress
 import os
 import re
 import shutil
@@ -173,17 +174,21 @@ def _run(*args: str, input: str | None = None) -> str:
 
 
 def uplink_mtu(toward: str) -> int | None:
-    """The MTU of the interface this host reaches ``toward`` through (None: unknown)."""
+    """The MTU of the interface this host sends to ``toward`` (a name or an address)
+    through; None when unknown, or when that is the loopback (a controller on this host says
+    nothing of the way to the peers)."""
     try:
-        family = socket.AF_INET6 if ":" in toward else socket.AF_INET
+        family, _, _, _, where = socket.getaddrinfo(toward, 9, type=socket.SOCK_DGRAM)[0]
         with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.connect((toward, 9))  # (UDP: nothing is sent; the kernel picks a route)
-            local = probe.getsockname()[0]
+            probe.connect(where)  # (UDP: nothing is sent; the kernel picks a route)
+            local = str(probe.getsockname()[0]).split("%")[0]
         for name, addrs in psutil.net_if_addrs().items():
             if any(a.address.split("%")[0] == local for a in addrs):
                 stats = psutil.net_if_stats().get(name)
-                return stats.mtu if stats is not None and stats.mtu > 0 else None
-    except OSError:
+                if stats is None or stats.mtu <= 0 or ipaddress.ip_address(local).is_loopback:
+                    return None
+                return int(stats.mtu)
+    except (OSError, ValueError, IndexError):
         return None
     return None
 

@@ -109,10 +109,11 @@ def mesh_mtu(members: Sequence[WorkerInventory]) -> int:
 def device_mtu(offered: int, uplink_mtu: int | None) -> int:
     """What an agent's device takes of the gang's ``offered`` MTU: no more than its uplink
     carries once WireGuard's header is added (a GCP VPC's 1460 gives 1380), never below
-    1280 (the smallest an IPv6 path may have; WireGuard's own floor)."""
-    if uplink_mtu is not None and uplink_mtu > 0:
-        offered = min(offered, uplink_mtu - WIREGUARD_OVERHEAD)
-    return max(MESH_MTU, offered)
+    1280 (the smallest an IPv6 path may have; WireGuard's own floor). An uplink it cannot
+    tell (None) gets 1280."""
+    if uplink_mtu is None or uplink_mtu <= 0:
+        return MESH_MTU
+    return max(MESH_MTU, min(offered, uplink_mtu - WIREGUARD_OVERHEAD))
 
 
 def gang_addressing(

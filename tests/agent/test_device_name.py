@@ -63,3 +63,11 @@ def test_only_an_interface_muster_marked_is_its_own(tmp_path: Path) -> None:
     assert foreign_interface("tailscale0", tmp_path)
     assert not foreign_interface("muster0", tmp_path)
     assert not foreign_interface("muster1", tmp_path)  # no such interface: free
+
+
+def test_an_uplink_it_cannot_tell_is_unknown() -> None:
+    """The direct path's device then keeps 1280 (muster.plan.device_mtu)."""
+    from muster.net.wireguard import uplink_mtu
+
+    assert uplink_mtu("127.0.0.1") is None  # a controller on this host: says nothing
+    assert uplink_mtu("no-such-host.invalid") is None

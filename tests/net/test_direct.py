@@ -109,33 +109,48 @@ def test_a_gloo_job_runs_over_the_direct_path_between_two_regions(rig: Rig, tmp_
 def test_hosts_in_one_declared_region_use_wireguards_larger_packets(
     rig: Rig, tmp_path: Path
 ) -> None:
-    """Two routed hosts that declare one provider region: their devices take 1420 bytes
-    (WireGuard's default over a 1500-byte path), and the job's traffic crosses at that size."""
+    """Three routed hosts that declare one provider region: a device takes WireGuard's 1420
+    bytes over a 1500-byte link, less on a link that carries less (1460, a GCP VPC's size:
+    1380), and no more than its agent's --direct-mtu; a 4 MiB all_reduce crosses between the
+    three sizes."""
     needs("wg", "wireguard-go")
-    h1, h2 = rig.two_regions(2)
-    ctl = rig.start_cluster((h1, h2), "--provider", "rig", "--region", "lab-1")
+    h1, h2, h3 = rig.two_regions(3)
+    rig.run(h2, "ip", "link", "set", next(iter(h2.addresses)), "mtu", "1460")
+    ctl = rig.hosts["ctl"]
+    rig.start_controller(ctl)
+    where = ("--provider", "rig", "--region", "lab-1")
+    rig.start_agent(h1, *where)
+    rig.start_agent(h2, *where)
+    rig.start_agent(h3, *where, "--direct-mtu", "1300")
+    rig.wait_for_workers(["h1", "h2", "h3"])
     workers = {w["id"]: w for w in rig.api("workers")}
     assert (workers["h1"]["provider"], workers["h1"]["region"]) == ("rig", "lab-1"), workers
     table = rig.muster(ctl, "get", "workers")
-    assert table.count("rig/lab-1") == 2, table
+    assert table.count("rig/lab-1") == 3, table
     job_dir = tmp_path / "region"
     job_dir.mkdir()
     (job_dir / "train.py").write_text(
         ENV_PROBE.replace("ones(1)", "ones(2**20)").replace("int(t.item())", "int(t[0].item())")
     )
     (job_dir / "job.yaml").write_text(
-        "name: region\nentrypoint: train.py\ntimeout: 5m\ndistributed: {num_workers: 2, "
+        "name: region\nentrypoint: train.py\ntimeout: 5m\ndistributed: {num_workers: 3, "
         "procs_per_worker: 1, backend: gloo, probe_seconds: 1, network: colocated}\n"
     )
     job_id = rig.muster(ctl, "submit", str(job_dir / "job.yaml")).strip()
     job = rig.wait_done(job_id)
     assert job["state"] == "succeeded", (job["root_cause"], job["events"])
     assert job["path_class"] == "direct"
-    lines = [ln["text"] for ln in rig.api("logs", job_id)["lines"]]
-    mtus = [ln.rpartition("mtu=")[2] for ln in lines if ln.startswith("env ")]
-    assert mtus == ["1420", "1420"], lines
-    assert [ln for ln in lines if ln.startswith("sum=")] == ["sum=3 expected=3"] * 2, lines
-    wait_no_device_left(rig, (h1, h2))
+    lines = rig.api("logs", job_id)["lines"]
+    worker_of = {m["node_rank"]: m["worker"] for m in job["members"]}
+    mtus = {
+        worker_of[ln["rank"]]: ln["text"].rpartition("mtu=")[2]
+        for ln in lines
+        if ln["text"].startswith("env ")
+    }
+    assert mtus == {"h1": "1420", "h2": "1380", "h3": "1300"}, lines
+    sums = [ln["text"] for ln in lines if ln["text"].startswith("sum=")]
+    assert sums == ["sum=6 expected=6"] * 3, lines
+    wait_no_device_left(rig, (h1, h2, h3))
 
 
 def test_a_container_only_host_is_never_placed_on_the_direct_path(rig: Rig, tmp_path: Path) -> None:

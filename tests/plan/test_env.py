@@ -229,4 +229,4 @@ def test_each_device_fits_its_own_uplink() -> None:
     assert device_mtu(1420, 1460) == 1380  # a GCP VPC's default MTU
     assert device_mtu(1420, 1300) == 1280  # never below IPv6's minimum
     assert device_mtu(1280, 1500) == 1280
-    assert device_mtu(1420, None) == 1420  # uplink unknown: the gang's choice
+    assert device_mtu(1420, None) == 1280  # an uplink it cannot tell: the safe size
