@@ -306,12 +306,18 @@ class MemberStates:
 
     def write(self) -> None:
         """The moved members, one executemany per set of columns changed."""
-        groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
-        for values in self.changes.values():
-            groups.setdefault(tuple(sorted(values)), []).append(values)
-        for rows in groups.values():
-            self.conn.execute(_SET_MEMBER, rows)
+        _write_grouped(self.conn, _SET_MEMBER, self.changes.values())
         self.changes.clear()
+
+
+def _write_grouped(conn: Connection, statement: Any, changes: Iterable[dict[str, Any]]) -> None:
+    """``statement`` once per set of columns the ``changes`` set (an executemany each: its
+    rows must all bind the same parameters)."""
+    groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
+    for values in changes:
+        groups.setdefault(tuple(sorted(values)), []).append(values)
+    for rows in groups.values():
+        conn.execute(statement, rows)
 
 
 # Locked (PostgreSQL; SQLite's write lock already holds them), in id order as a reservation
@@ -435,11 +441,7 @@ class WorkerStates:
         """New workers, then the moved ones, one executemany per set of columns."""
         if self.new:
             self.conn.execute(_NEW_WORKER, list(self.new.values()))
-        groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
-        for values in self.changes.values():
-            groups.setdefault(tuple(sorted(values)), []).append(values)
-        for rows in groups.values():
-            self.conn.execute(_SET_WORKER, rows)
+        _write_grouped(self.conn, _SET_WORKER, self.changes.values())
         self.new.clear()
         self.changes.clear()
 
