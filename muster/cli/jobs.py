@@ -147,7 +147,7 @@ def describe(
     for col in ("TIME", "EVENT", "MESSAGE"):
         events.add_column(col)
     for e in job["events"]:
-        events.add_row(e["time"][11:23], e["kind"], e["message"].split("\n")[0])
+        events.add_row(e["time"][11:23], e["kind"], e["message"].split("\n")[0])  # UTC, ms
     out.print(events)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import AsyncIterator, Callable
+from datetime import UTC, datetime
 from pathlib import PurePosixPath
 from typing import Any, Literal
 
@@ -52,6 +53,15 @@ def health() -> dict[str, str]:
 # ---- jobs --------------------------------------------------------------------------------
 
 
+def utc(moment: datetime) -> str:
+    """A stored time as the API says it, the same on both engines: ISO 8601 in UTC with
+    microseconds and its offset, ``2026-12-01T09:38:43.954555+00:00`` (SQLite reads times
+    back naive; they were written in UTC)."""
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return moment.astimezone(UTC).isoformat(timespec="microseconds")
+
+
 def job_summary(job: Job | JobSummary) -> dict[str, Any]:
     return {
         "id": job.id,
@@ -61,9 +71,9 @@ def job_summary(job: Job | JobSummary) -> dict[str, Any]:
         "path_class": job.path_class,
         "why_pending": job.why_pending,
         "root_cause": job.root_cause,
-        "submitted_at": job.submitted_at.isoformat(),
-        "started_at": job.started_at.isoformat() if job.started_at else None,
-        "finished_at": job.finished_at.isoformat() if job.finished_at else None,
+        "submitted_at": utc(job.submitted_at),
+        "started_at": utc(job.started_at) if job.started_at else None,
+        "finished_at": utc(job.finished_at) if job.finished_at else None,
     }
 
 
@@ -144,7 +154,7 @@ def _job_detail(st: Store, job_id: str, events_last: int | None) -> dict[str, An
             for m in members
         ],
         "events": [
-            {"time": e.time.isoformat(), "kind": e.kind, "message": e.message, "data": e.data}
+            {"time": utc(e.time), "kind": e.kind, "message": e.message, "data": e.data}
             for e in events
         ],
         "conditions": [
@@ -462,7 +472,7 @@ async def worker_list(st: Store, ctl: Controller) -> list[dict[str, Any]]:
                 for key in ("private_network_id", "can_create_device", "container_only", "device")
             },
             "connected": w.id in ctl.links,
-            "last_seen": w.last_seen.isoformat(),
+            "last_seen": utc(w.last_seen),
         }
         for w in rows
     ]

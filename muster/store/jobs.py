@@ -418,8 +418,8 @@ class JobSummary(NamedTuple):
 
 
 def _listing_sql(iso: str, array: str) -> str:
-    """The listing statement: ``iso`` formats a timestamp column ``{c}`` as Python's
-    ``isoformat()`` does; ``array`` aggregates the rows' objects in ``seq`` order."""
+    """The listing statement: ``iso`` formats a timestamp column ``{c}`` as the API does
+    (controller.api.utc); ``array`` aggregates the rows' objects in ``seq`` order."""
     fields = ", ".join(
         f"'{name}', {iso.format(c=name) if name.endswith('_at') else name}"
         for name in JobSummary._fields
@@ -427,18 +427,17 @@ def _listing_sql(iso: str, array: str) -> str:
     return array.format(fields=fields)
 
 
-# SQLite stores a timestamp as 'YYYY-MM-DD HH:MM:SS.ffffff' (UTC, no zone) and reads it back
-# naive; isoformat() leaves out a zero fraction. FROM's rows come in seq order (the rowid).
+# SQLite stores a timestamp as 'YYYY-MM-DD HH:MM:SS.ffffff' (UTC, no zone, always six
+# digits) and reads it back naive. FROM's rows come in seq order (the rowid).
 _LISTING_SQLITE = _listing_sql(
-    "CASE WHEN {c} IS NULL THEN NULL WHEN substr({c}, 20) = '.000000' "
-    "THEN replace(substr({c}, 1, 19), ' ', 'T') ELSE replace({c}, ' ', 'T') END",
+    "CASE WHEN {c} IS NULL THEN NULL ELSE replace({c}, ' ', 'T') || '+00:00' END",
     "SELECT json_group_array(json(j)) FROM "
     "(SELECT json_object({fields}) AS j FROM jobs ORDER BY seq)",
 )
 # PostgreSQL: timestamptz, read aware; written here in UTC.
 _LISTING_POSTGRESQL = _listing_sql(
-    "CASE WHEN {c} IS NULL THEN NULL ELSE regexp_replace(to_char({c} AT TIME ZONE 'UTC', "
-    "'YYYY-MM-DD\"T\"HH24:MI:SS.US'), '\\.000000$', '') || '+00:00' END",
+    "CASE WHEN {c} IS NULL THEN NULL ELSE to_char({c} AT TIME ZONE 'UTC', "
+    "'YYYY-MM-DD\"T\"HH24:MI:SS.US') || '+00:00' END",
     "SELECT coalesce(json_agg(json_build_object({fields}) ORDER BY seq), '[]')::text FROM jobs",
 )
 
