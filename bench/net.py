@@ -3,11 +3,11 @@
 Two namespace hosts on one switch (tests/net/rig.py: veth pairs and a bridge), the same pair
 for every arm, in one run:
 
-- iperf3 (TCP, 5 s, 1 stream, median of 3) over the raw veth; over wireguard-go set up by
-  hand with its defaults (MTU 1420: the strongest plain setting), and again at MTU 1280; over
-  muster's direct-path device (muster.net.wireguard, keepalive 25 s, made as the agent makes
-  it) at the two sizes muster picks: 1280 for hosts that declared no region (or several),
-  1420 for hosts in one declared provider region;
+- iperf3 (TCP, 5 s, 1 stream, median of 5 rounds that take every arm in turn) over the raw
+  veth; over wireguard-go set up by hand with its defaults (MTU 1420: the strongest plain
+  setting), and again at MTU 1280; over muster's direct-path device (muster.net.wireguard,
+  keepalive 25 s, made as the agent makes it) at the two sizes muster picks: 1280 for hosts
+  that declared no region (or several), 1420 for hosts in one declared provider region;
 - a gloo all_reduce of 4 and 64 MiB between the two hosts (1 rank each, median of 5 after
   a warm-up): torchrun by hand bound to the raw interface and to muster0, and the same script
   submitted as a muster job on the private path (real agents, the probe, the rendezvous
@@ -163,6 +163,9 @@ def wireguard_by_hand(
         rig.run(host, "ip", "link", "set", name, "up")
 
 
+IPERF_ROUNDS = 5
+
+
 def muster_direct(
     rig: Rig, hosts: tuple[Host, Host], name: str, port: int, net: str, offered: int
 ) -> int:
@@ -316,16 +319,30 @@ def main() -> None:
             ("muster direct", "100.64.0.2"),
             ("muster direct, one region", "100.64.4.2"),
         )
-        for arm, addr in arms:
-            runs = [iperf3(rig, a, addr) for _ in range(3)]
-            rows[arm] = statistics.median(runs)
-            print(f"iperf3 {arm:26} {rows[arm]:6.2f} Gbit/s (median of 3: "
-                  + ", ".join(f"{r:.2f}" for r in runs) + ")", flush=True)  # fmt: skip
+        # Interleaved (every arm once per round): this machine's speed drifts over minutes,
+        # and a ratio of arms run minutes apart would measure the drift.
+        runs: dict[str, list[float]] = {arm: [] for arm, _ in arms}
+        for _ in range(IPERF_ROUNDS):
+            for arm, addr in arms:
+                runs[arm].append(iperf3(rig, a, addr))
+        for arm, _ in arms:
+            rows[arm] = statistics.median(runs[arm])
+            print(f"iperf3 {arm:26} {rows[arm]:6.2f} Gbit/s (median of {IPERF_ROUNDS}: "
+                  + ", ".join(f"{r:.2f}" for r in runs[arm]) + ")", flush=True)  # fmt: skip
+
+        def paired(mine: str, theirs: str) -> str:
+            """The median of the per-round ratios, and their range."""
+            ratios = sorted(m / t for m, t in zip(runs[mine], runs[theirs], strict=True))
+            return f"{statistics.median(ratios):.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f})"
+
         ratio = rows["muster direct, one region"] / rows["wireguard-go by hand"]
+        rounds = paired("muster direct, one region", "wireguard-go by hand")
         print(f"muster direct in one region (MTU {region_mtu}) / wireguard-go alone (1420): "
-              f"{ratio:.2f} (goal >= 0.95: {'met' if ratio >= 0.95 else 'NOT met'})")  # fmt: skip
+              f"{ratio:.2f}, per round {rounds} "
+              f"(goal >= 0.95: {'met' if ratio >= 0.95 else 'NOT met'})")  # fmt: skip
         same = rows["muster direct"] / rows["wireguard-go, MTU 1280"]
-        print(f"muster direct across regions (MTU 1280) / wireguard-go alone at 1280: {same:.2f}")
+        print(f"muster direct across regions (MTU 1280) / wireguard-go alone at 1280: {same:.2f}"
+              f", per round {paired('muster direct', 'wireguard-go, MTU 1280')}")  # fmt: skip
         cost = rows["muster direct"] / rows["wireguard-go by hand"]
         print(f"muster direct across regions / wireguard-go alone (1420): {cost:.2f}")
 

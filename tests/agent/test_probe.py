@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import re
 import socket
 import time
@@ -234,6 +235,21 @@ def test_a_steady_rate_is_one_whose_last_windows_agree_within_the_spread() -> No
     assert steady([5.0, 1.0, 1.02, 0.98, 1.0])  # a slow start does not count
     assert not steady([1.0, 1.0, 1.0, 1.2])
     assert not steady([0.0, 0.0, 0.0, 0.0])
+
+
+def test_a_rate_that_jitters_about_a_level_is_steady_once_its_mean_is_known() -> None:
+    """A shared host's link: each quarter-second window 10% off its level at random. Its last
+    four windows rarely agree within 5%, but after 2 s the mean of its windows is known to
+    7.5% (95%); a link that drifts, or jitters 40%, is sampled on (to probe_seconds)."""
+    rng = random.Random(3)
+    jitter = [1.0 + rng.gauss(0, 0.10) for _ in range(16)]
+    assert not steady(jitter[:4])
+    assert not steady(jitter[:7])  # under 2 s: too soon to tell a level from a drift
+    assert steady(jitter[:8]) or steady(jitter[:12]) or steady(jitter)
+    wild = [1.0 + rng.gauss(0, 0.40) for _ in range(16)]
+    assert not any(steady(wild[:n]) for n in range(8, 17))
+    drift = [1.0 + 0.1 * i for i in range(16)]  # +10% a window: no level to find
+    assert not any(steady(drift[:n]) for n in range(4, 17))
 
 
 def test_a_sample_ends_once_its_rate_holds_and_never_past_its_bound() -> None:
