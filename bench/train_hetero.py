@@ -30,7 +30,7 @@ rank, 1: its work fully used). The dynamic scenario switches the slow rank betwe
 k=4 every ``--switch-ms`` of virtual time. Curves go to CSV (and a PNG with matplotlib:
 pip install -e '.[bench]').
 
-    .venv/bin/python bench/train_hetero.py [--size quick|ci|full] [--ks 1,2,4] [--seeds 5]
+    .venv/bin/python bench/train_hetero.py [--size quick|ci|full] [--ks 1,2,4] [--seeds 15]
 
 Goals (issue 12): k=1 within 10% of tuned DDP and of post-local SGD; k=2 and 4: phi >= 0.5 and
 >= 0.9x the speed of proportional-batch DDP; dynamic: cadence beats proportional-batch DDP.
@@ -226,7 +226,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="quick")
     parser.add_argument("--ks", default="1,2,4")
-    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--seeds", type=int, default=15, help="measured seeds (goals: 15)")
     parser.add_argument("--tune-seeds", type=int, default=2)
     parser.add_argument("--switch-ms", type=float, default=0.0, help="dynamic scenario period")
     parser.add_argument("--out", type=Path, default=Path("outputs/train_hetero"))
