@@ -23,7 +23,7 @@ import ipaddress
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from muster.controller.auth import Tickets
@@ -147,6 +147,21 @@ OPEN_HOST = re.compile(r"[A-Za-z0-9._-]{1,63}")
 OPEN_ADMIT_S = 30.0
 
 
+def told_before(said: dict[str, set[str]], due: Mapping[str, str | None]) -> frozenset[str]:
+    """The jobs of ``due`` whose reason is of a kind (its first clause) their Unplaceable
+    events said already; ``said`` (job -> kinds) learns the others'."""
+    quiet = set()
+    for job_id, reason in due.items():
+        if reason is None:
+            continue
+        kinds = said.setdefault(job_id, set())
+        kind = reason_gist(reason) or ""
+        if kind in kinds:
+            quiet.add(job_id)
+        kinds.add(kind)
+    return frozenset(quiet)
+
+
 class Controller:
     def __init__(
         self,
@@ -170,6 +185,9 @@ class Controller:
         self._specs: dict[str, JobSpec] = {}  # queued jobs' parsed specs
         self._recording: set[str] = set()  # workers whose INVENTORY write is not committed
         self._why: dict[str, tuple[str | None, float]] = {}  # queued: (reason written, when)
+        # queued: the kinds of reason (reason_gist) its Unplaceable events have said already;
+        # a busy queue flips a job between two kinds, and the log says each once.
+        self._said: dict[str, set[str]] = {}
         # Pairs of workers each job's gangs must not hold together, per path (KeepApart of
         # its fenced epochs); restored from their EpochFenced events after a restart.
         self._apart: dict[str, dict[PathClass, frozenset[frozenset[str]]]] = {}
@@ -578,6 +596,7 @@ class Controller:
             del self._specs[gone]  # cancelled while queued
         for gone in self._why.keys() - still:
             del self._why[gone]
+            self._said.pop(gone, None)
         specs = {j.id: j.spec for j in jobs}
         bundles = {job_id: bundle for job_id, _seq, bundle in queued}
         pending: dict[str, str | None] = {}
@@ -611,6 +630,7 @@ class Controller:
             self.metrics.placement.observe(time.perf_counter() - started)
             self._specs.pop(job_id, None)
             self._why.pop(job_id, None)
+            self._said.pop(job_id, None)
             await self.start_placed(job_id, specs[job_id], outcome, epoch.number, bundles[job_id])
         pending.update(await self.windows.run_pass(windowed, bundles, walk_ins))
         due = self._why_due(pending)
@@ -624,7 +644,8 @@ class Controller:
             ]
             # With the group commit, not awaited: only the reasons that changed are
             # written, and only on jobs still queued when it commits.
-            self.writer.submit([*changed, WhyPendingWrite(due)])
+            quiet = told_before(self._said, due)
+            self.writer.submit([*changed, WhyPendingWrite(due, quiet)])
             written = time.monotonic()
             self._why.update((job_id, (reason, written)) for job_id, reason in due.items())
 

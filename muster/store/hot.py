@@ -11,7 +11,7 @@ leaves nothing behind.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any, NamedTuple, cast
 
@@ -494,11 +494,15 @@ def reason_gist(reason: str | None) -> str | None:
 
 
 def why_pending(
-    conn: Connection, reasons: Mapping[str, str | None], events: list[dict[str, Any]]
+    conn: Connection,
+    reasons: Mapping[str, str | None],
+    events: list[dict[str, Any]],
+    quiet: Collection[str] = (),
 ) -> int:
     """Write the queued jobs' reasons that changed; an "Unplaceable" event when the kind of
-    a reason changes (its first clause), not each time a count in it moves: the column
-    always holds the latest words. Returns how many changed."""
+    a reason changes (its first clause), not each time a count in it moves, and not for the
+    jobs in ``quiet`` (a kind they were told before): the column always holds the latest
+    words. Returns how many changed."""
     previous = read_why_pending(conn, reasons)
     changes = why_pending_changes(previous, reasons)
     # Only the rows the UPDATE changed get an event: on PostgreSQL a reservation can commit
@@ -507,7 +511,10 @@ def why_pending(
     events.extend(
         event_row("Unplaceable", reason, job=job_id)
         for job_id, reason in changes.items()
-        if job_id in written and reason and reason_gist(reason) != reason_gist(previous[job_id])
+        if job_id in written
+        and job_id not in quiet
+        and reason
+        and reason_gist(reason) != reason_gist(previous[job_id])
     )
     return len(written)
 

@@ -90,9 +90,11 @@ class ConditionWrite:
 
 @dataclass(frozen=True)
 class WhyPendingWrite:
-    """Queued jobs' why_pending, written where it changed (``hot.why_pending``)."""
+    """Queued jobs' why_pending, written where it changed (``hot.why_pending``); ``quiet``:
+    jobs whose reason's kind was announced before (no second Unplaceable event for it)."""
 
     reasons: Mapping[str, str | None]
+    quiet: frozenset[str] = frozenset()
 
 
 Write: TypeAlias = (
@@ -187,7 +189,7 @@ def _apply(
     elif isinstance(write, ConditionWrite):
         hot.set_condition(conn, write.job, write.type, write.status, write.reason, write.message)
     elif isinstance(write, WhyPendingWrite):
-        hot.why_pending(conn, write.reasons, events)
+        hot.why_pending(conn, write.reasons, events, write.quiet)
     elif isinstance(write, InventoryWrite):
         workers.upsert(write.inventory, write.held_by, write.draining, events)
     else:

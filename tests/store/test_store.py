@@ -281,6 +281,24 @@ def test_a_root_cause_quoting_a_nul_is_stored_on_both_engines(store: Store) -> N
     assert orjson.loads(store.job_listing())[0]["root_cause"] == shown
 
 
+def test_a_kind_of_reason_told_before_is_written_without_a_second_event(store: Store) -> None:
+    """A busy queue flips a waiting job between two kinds of reason; the controller marks the
+    kinds its events said already as quiet: the column always holds the latest words, the
+    event log says each kind once."""
+    job = store.submit_job(gang(2)).id
+    flips = [
+        ("held back by queue order; 3 ahead", frozenset()),
+        ("needs 2 idle workers; 1 idle", frozenset()),
+        ("held back by queue order; 1 ahead", frozenset({job})),
+        ("needs 2 idle workers; 0 idle", frozenset({job})),
+    ]
+    for reason, quiet in flips:
+        assert store.apply_writes([WhyPendingWrite({job: reason}, quiet)]) == []
+        assert store.job(job).why_pending == reason
+    said = [e.message for e in store.events() if e.kind == "Unplaceable"]
+    assert said == ["held back by queue order; 3 ahead", "needs 2 idle workers; 1 idle"]
+
+
 def test_a_reason_that_lands_after_the_job_was_placed_is_dropped(store: Store) -> None:
     """The pass that found a job waiting hands its reason to the group commit; the next
     pass may reserve the job first. A placed job shows no why_pending, and no Unplaceable
