@@ -61,6 +61,13 @@ def remote_command(
         join += ["--interface", worker.interface]
     if worker.work_dir:
         join += ["--work-dir", worker.work_dir]
+    for flag, value in (
+        ("--provider", worker.provider),
+        ("--region", worker.region),
+        ("--region-class", worker.region_class),
+    ):
+        if value:
+            join += [flag, value]
     if worker.data_path:
         join += ["--data-path", worker.data_path]
     if gpu_ram_share is not None:  # the host entry's, else the cluster's default

@@ -23,6 +23,7 @@ from muster.spec.rules import (
     VISIBILITY_MASKS,
     window_problems,
 )
+from muster.spec.worker import LOCATION
 
 DEFAULT_PORT = 7070  # muster server's default
 
@@ -81,6 +82,18 @@ class Worker(_Model):
     )
     work_dir: str | None = Field(
         default=None, description="where its agent unpacks and runs jobs [the agent's data dir]"
+    )
+    provider: str | None = Field(
+        default=None, pattern=LOCATION, description="its provider (aws, gcp, onprem) [local]"
+    )
+    region: str | None = Field(
+        default=None,
+        pattern=LOCATION,
+        description="its provider's region (us-east-1); hosts in one declared region take "
+        "the direct path's larger packets [local]",
+    )
+    region_class: str | None = Field(
+        default=None, pattern=LOCATION, description="its region class (us, eu) [local]"
     )
 
     @property

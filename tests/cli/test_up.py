@@ -63,3 +63,21 @@ def test_open_admission_warns_loudly_whatever_the_bind(tmp_path: Path) -> None:
     quiet = tmp_path / "quiet.yml"
     quiet.write_text("controller: {host: 0.0.0.0}\nworkers: [{host: a, procs: 2}]\n")
     assert "warning" not in muster("up", "--dry-run", quiet).stderr
+
+
+def test_a_workers_provider_and_region_go_to_its_walk_in() -> None:
+    from muster.cli.fanout import remote_command
+    from muster.spec.cluster import Worker
+
+    worker = Worker(host="a", procs=1, provider="aws", region="us-east-1", region_class="us")
+    line = remote_command(worker, "j1", 7070)
+    assert "--provider aws --region us-east-1 --region-class us" in line, line
+    assert "--region" not in remote_command(Worker(host="b", procs=1), "j1", 7070)
+
+
+def test_a_malformed_region_in_the_cluster_file_names_its_key(tmp_path: Path) -> None:
+    bad = tmp_path / "muster.cluster.yml"
+    bad.write_text("workers:\n  - {host: a, procs: 1, region: 'us east'}\n")
+    result = muster("up", "--dry-run", bad)
+    assert result.returncode == 2
+    assert "workers[0].region" in result.stderr, result.stderr
