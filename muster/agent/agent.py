@@ -102,6 +102,7 @@ class AgentConfig:
     path_timeout: float = 60.0
     handshake_timeout: float = 30.0  # a new device's wait for every peer's first handshake
     direct_mtu: int | None = None  # the most its direct-path device takes (--direct-mtu)
+    uplink: str | None = None  # the interface holding its advertise address, if one does
     # The name of this agent's WireGuard device (claimed by `muster agent`, one per agent).
     device: str = MESH_INTERFACE
     # `muster join --ssh`: each dial goes through a fresh OpenSSH forward (``controller`` is
@@ -184,6 +185,7 @@ class Agent:
             path_timeout=config.path_timeout,
             handshake_timeout=config.handshake_timeout,
             direct_mtu=config.direct_mtu,
+            uplink=config.uplink,
             device=config.device,
             python=config.python,
         )

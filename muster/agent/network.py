@@ -33,7 +33,13 @@ from muster.net.probe import (
     probe_peers,
     route_of,
 )
-from muster.net.wireguard import Device, Peer, device_unavailable, uplink_mtu
+from muster.net.wireguard import (
+    Device,
+    Peer,
+    device_unavailable,
+    interface_mtu,
+    uplink_mtu,
+)
 from muster.plan import MESH_MTU, MESH_PREFIX, device_mtu
 from muster.spec import MESH_INTERFACE, PathClass
 from muster.wire import Kind
@@ -59,6 +65,7 @@ class GangNetwork:
         path_timeout: float = 60.0,
         handshake_timeout: float = HANDSHAKE_TIMEOUT_S,
         direct_mtu: int | None = None,
+        uplink: str | None = None,
         device: str = MESH_INTERFACE,
         python: str = "python3",
     ) -> None:
@@ -70,6 +77,7 @@ class GangNetwork:
         self.path_timeout = path_timeout
         self.handshake_timeout = handshake_timeout
         self.direct_mtu = direct_mtu  # the operator's cap on the device's MTU
+        self.uplink = uplink  # the interface peers reach this host on (its advertise address)
         self.firewall = firewall.Firewall(key)  # key: firewall.agent_key
         self.firewall_id = key
         self.groups: cgroup.RankGroups | None = None  # where the ranks' cgroups are made
@@ -104,8 +112,11 @@ class GangNetwork:
                         port, public = await asyncio.to_thread(public_endpoint, self.reflector)
                     if self.closed:
                         raise RuntimeError("the agent is stopping")
-                    uplink = None
-                    if self.reflector is not None:
+                    # The link the peers reach this host on: the interface holding its
+                    # advertise address, else (a NAT's address) the route out to the
+                    # controller; neither known (a tunnel to it): 1280.
+                    uplink = interface_mtu(self.uplink) if self.uplink else None
+                    if uplink is None and self.reflector is not None:
                         uplink = await asyncio.to_thread(uplink_mtu, self.reflector[0])
                     offered = int(body.get("mtu") or MESH_MTU)
                     mtu = device_mtu(min(offered, self.direct_mtu or offered), uplink)

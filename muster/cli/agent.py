@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import ipaddress
 import logging
 import os
 import re
@@ -17,7 +18,12 @@ import typer
 
 from muster.agent.agent import Agent, AgentConfig
 from muster.agent.datasource import SshfsSource
-from muster.agent.inventory import advertise_address_for, check_interface, collect
+from muster.agent.inventory import (
+    advertise_address_for,
+    check_interface,
+    collect,
+    interface_of,
+)
 from muster.agent.prepare import NotReady, Preparation
 from muster.agent.retention import remove_stale_job_dirs
 from muster.agent.tunnel import SshTunnel
@@ -185,6 +191,12 @@ def join(
     persist: bool = typer.Option(
         False, help="when refused, or the link is lost, dial again (5 s doubling to 60 s)"
     ),
+    direct_mtu: int = typer.Option(
+        None,
+        min=1280,
+        max=1420,
+        help="the most this box's direct-path device takes (see muster agent --direct-mtu)",
+    ),
     grace: float = typer.Option(10.0, help="seconds between SIGTERM and SIGKILL on stop"),
     data_path: Path = typer.Option(
         None,
@@ -299,6 +311,7 @@ def join(
         path_timeout=60.0,
         grace=grace,
         retention="0",
+        direct_mtu=direct_mtu,
         walk_in=(
             job,
             roster_name,
@@ -378,6 +391,7 @@ def serve(
             "pass --advertise-address"
         ) from exc
     bound_interface = check_interface(interface) if interface else None
+    held_by = interface_of(address) if not _is_loopback(address) else None
     device_name, claim = MESH_INTERFACE, None
     if device_unavailable() is None:  # it can make devices: claim a name no other agent has
         device_name, claim = claim_device(device)
@@ -406,6 +420,7 @@ def serve(
         path_timeout=path_timeout,
         handshake_timeout=handshake_timeout,
         direct_mtu=direct_mtu,
+        uplink=held_by,
         device=device_name,
     )
     if backoff is not None:
@@ -489,3 +504,10 @@ def offer(
 
 def _bracketed(host: str) -> str:
     return f"[{host}]" if ":" in host else host
+
+
+def _is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address.split("%")[0]).is_loopback
+    except ValueError:
+        return False  # a name: the peers resolve it

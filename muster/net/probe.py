@@ -30,6 +30,7 @@ import contextlib
 import contextvars
 import hmac
 import ipaddress
+import math
 import re
 import socket
 import statistics
@@ -55,8 +56,9 @@ CHUNK = 1024 * 1024  # per send and receive call of a throughput sample
 # STEADY_WINDOWS windows of WINDOW_S each within STEADY_SPREAD of their mean (a quiet link,
 # 1 s), or, for a link that jitters about a level (a shared host's scheduling; a busy NIC),
 # once the mean of the last PRECISE_WINDOWS windows (at least 8) is known to within
-# STEADY_PRECISION at 95% (about 2 s at 10% jitter per window, 4 s at 15%). A link that
-# wanders more (a shaped or congested one) is sampled for the whole of probe_seconds.
+# STEADY_PRECISION at 95% and shows no trend (about 2 s at 10% jitter per window, 4 s at
+# 15%). A link that ramps, drifts or wanders more (a shaped or congested one) is sampled for
+# the whole of probe_seconds.
 WINDOW_S = 0.25
 STEADY_WINDOWS = 4
 STEADY_SPREAD = 0.05
@@ -344,11 +346,18 @@ def _receive(sock: socket.socket, limit: float) -> bytes:
     return count.to_bytes(8, "big") + (last - first).to_bytes(8, "big")
 
 
+# Student's t at 97.5% for n - 1 degrees of freedom (n = 8 .. 16 windows): with so few
+# windows 1.96 would claim 95% and give about 91%.
+_T975 = {7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228, 11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145,
+         15: 2.131}  # fmt: skip
+
+
 def steady(rates: list[float]) -> bool:
     """Whether a sample holds its rate well enough to end early: its last STEADY_WINDOWS
     window rates all within STEADY_SPREAD of their mean, or the mean of its last
-    PRECISE_WINDOWS (8 at least) known to STEADY_PRECISION (a 95% interval: 1.96 standard
-    errors; the probe's answer is the receiver's count over the whole sample)."""
+    PRECISE_WINDOWS (8 at least) known to STEADY_PRECISION (a 95% t-interval) with no trend
+    in them (their halves' means within STEADY_PRECISION of each other: a ramp or a drift
+    is sampled on). The probe's answer is the receiver's count over the whole sample."""
     if len(rates) < STEADY_WINDOWS:
         return False
     last = rates[-STEADY_WINDOWS:]
@@ -358,9 +367,16 @@ def steady(rates: list[float]) -> bool:
     if len(rates) < 2 * STEADY_WINDOWS:
         return False
     last = rates[-PRECISE_WINDOWS:]
-    mean = sum(last) / len(last)
-    error = statistics.stdev(last) / len(last) ** 0.5
-    return mean > 0 and 1.96 * error <= STEADY_PRECISION * mean
+    n = len(last)
+    mean = sum(last) / n
+    if mean <= 0:
+        return False
+    half = n // 2
+    early, late = sum(last[:half]) / half, sum(last[n - half :]) / half
+    if abs(late - early) > STEADY_PRECISION * mean:
+        return False
+    variance = sum((rate - mean) ** 2 for rate in last) / (n - 1)
+    return _T975[n - 1] * math.sqrt(variance / n) <= STEADY_PRECISION * mean
 
 
 def _send(sock: socket.socket, seconds: float, token: bytes) -> float:
@@ -382,10 +398,12 @@ def _send(sock: socket.socket, seconds: float, token: bytes) -> float:
             sent += len(block)
             window_bytes += len(block)
             now = time.perf_counter()
+            held = False
             if now - window_start >= WINDOW_S:
                 rates.append(window_bytes / (now - window_start))
                 window_start, window_bytes = now, 0
-            if now - start >= seconds or (now - start >= shortest and steady(rates)):
+                held = now - start >= shortest and steady(rates)  # (once a window)
+            if now - start >= seconds or held:
                 break  # its time is up, or the rate holds: more would not change the answer
         sock.shutdown(socket.SHUT_WR)
         sock.settimeout(CONNECT_TIMEOUT_S + seconds)

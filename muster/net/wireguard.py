@@ -173,6 +173,15 @@ def _run(*args: str, input: str | None = None) -> str:
     return done.stdout
 
 
+def interface_mtu(name: str) -> int | None:
+    """The MTU of this host's interface ``name``; None when it has none such, or it is a
+    loopback (it says nothing of the way to other hosts)."""
+    stats = psutil.net_if_stats().get(name)
+    if stats is None or stats.mtu <= 0 or name == "lo" or stats.mtu >= 65536:
+        return None
+    return int(stats.mtu)
+
+
 def uplink_mtu(toward: str) -> int | None:
     """The MTU of the interface this host sends to ``toward`` (a name or an address)
     through; None when unknown, or when that is the loopback (a controller on this host says

@@ -89,8 +89,8 @@ class Worker(_Model):
     region: str | None = Field(
         default=None,
         pattern=LOCATION,
-        description="its provider's region (us-east-1); hosts in one declared region take "
-        "the direct path's larger packets [local]",
+        description="its provider's region (us-east-1); with provider, hosts in one declared "
+        "provider region take the direct path's larger packets [local]",
     )
     region_class: str | None = Field(
         default=None, pattern=LOCATION, description="its region class (us, eu) [local]"

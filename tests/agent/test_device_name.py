@@ -71,3 +71,10 @@ def test_an_uplink_it_cannot_tell_is_unknown() -> None:
 
     assert uplink_mtu("127.0.0.1") is None  # a controller on this host: says nothing
     assert uplink_mtu("no-such-host.invalid") is None
+
+
+def test_the_loopback_or_a_missing_interface_says_nothing_of_the_uplink() -> None:
+    from muster.net.wireguard import interface_mtu
+
+    assert interface_mtu("lo") is None
+    assert interface_mtu("no-such-if0") is None

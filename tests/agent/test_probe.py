@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import random
 import re
 import socket
 import time
@@ -237,19 +236,27 @@ def test_a_steady_rate_is_one_whose_last_windows_agree_within_the_spread() -> No
     assert not steady([0.0, 0.0, 0.0, 0.0])
 
 
+# Each quarter-second window 8-12% off a level of 1, never four in a row within 5%.
+JITTER = [1.10, 0.90, 1.08, 0.92, 1.12, 0.88, 1.09, 0.91, 1.11, 0.89, 1.10, 0.90] * 2
+
+
 def test_a_rate_that_jitters_about_a_level_is_steady_once_its_mean_is_known() -> None:
-    """A shared host's link: each quarter-second window 10% off its level at random. Its last
-    four windows rarely agree within 5%, but after 2 s the mean of its windows is known to
-    7.5% (95%); a link that drifts, or jitters 40%, is sampled on (to probe_seconds)."""
-    rng = random.Random(3)
-    jitter = [1.0 + rng.gauss(0, 0.10) for _ in range(16)]
-    assert not steady(jitter[:4])
-    assert not steady(jitter[:7])  # under 2 s: too soon to tell a level from a drift
-    assert steady(jitter[:8]) or steady(jitter[:12]) or steady(jitter)
-    wild = [1.0 + rng.gauss(0, 0.40) for _ in range(16)]
-    assert not any(steady(wild[:n]) for n in range(8, 17))
-    drift = [1.0 + 0.1 * i for i in range(16)]  # +10% a window: no level to find
-    assert not any(steady(drift[:n]) for n in range(4, 17))
+    """A shared host's link: its last four windows never agree within 5%, but within 4 s
+    (16 windows; never under 2 s) the mean of its windows is known to 7.5% (a 95%
+    t-interval)."""
+    assert not any(steady(JITTER[:n]) for n in range(4, 8))  # under 2 s: too soon to tell
+    assert steady(JITTER[:16])
+    assert steady([0.2, 0.5, 0.8, *JITTER[:16]])  # a ramp, then a level: the level counts
+
+
+def test_a_rate_that_wanders_ramps_or_drifts_is_sampled_on() -> None:
+    """To probe_seconds: no level to report early."""
+    wild = [1.4, 0.6, 1.3, 0.7, 1.5, 0.5, 1.35, 0.65] * 2  # 30-50% a window
+    assert not any(steady(wild[:n]) for n in range(4, 17))
+    climb = [1.0 * 1.04**i for i in range(16)]  # +4% a window: each four within 6%
+    assert not any(steady(climb[:n]) for n in range(4, 17))
+    ramp = [0.2, 0.4, 0.6, 0.8, 1.0, 1.1, 0.9, 1.1, 0.9]  # still coming up from its start
+    assert not steady(ramp)
 
 
 def test_a_sample_ends_once_its_rate_holds_and_never_past_its_bound() -> None:
