@@ -205,6 +205,9 @@ def main() -> None:
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # not the interpreter's teardown: gloo sometimes aborts there
 
 
 if __name__ == "__main__":
