@@ -440,11 +440,11 @@ class Hub:
         self._spawn(self._read_child, f"child{min(ranks)}", child)
 
     def _refused(self, sock: socket.socket, exc: Exception) -> None:
-        with contextlib.suppress(OSError):
-            sock.close()
-        with self.cv:
+        with self.cv:  # (counted before the close the peer sees)
             self.rejected += 1
             rejected = self.rejected
+        with contextlib.suppress(OSError):
+            sock.close()
         if rejected in (1, 10, 100, 1000):
             log.warning("star %s: refused a connection (%d so far): %s", self.name, rejected, exc)
         if rejected >= self.ceilings.max_rejected:

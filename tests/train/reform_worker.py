@@ -77,6 +77,13 @@ def train(
                   anchor_batches=2, save=save, stall_s=stall_s)  # fmt: skip
     seen: list[dict[str, object]] = []
     losses: list[float] = []
+
+    def record() -> None:  # (the last round seen, once per window)
+        last = elche.last_round
+        if last is not None and (not seen or seen[-1]["window"] != elche.window):
+            seen.append({"window": elche.window, "counts": list(last.counts),
+                         "alive": sorted(elche.alive)})  # fmt: skip
+
     try:
         for epoch in range(2):
             for n, indices in enumerate(elche.epoch(epoch)):
@@ -88,10 +95,8 @@ def train(
                     os.kill(os.getpid(), how)
                 if rank == 1 and elche.window == 2:
                     time.sleep(0.05)  # (a slower rank: the windows' counts differ)
-                last = elche.last_round
-                if last is not None and (not seen or seen[-1]["window"] != elche.window):
-                    seen.append({"window": elche.window, "counts": list(last.counts),
-                                 "alive": sorted(elche.alive)})  # fmt: skip
+                record()
+            record()  # (the epoch's last round runs as its loop ends: after any step)
     except CohortStopped as exc:
         return {"stopped": str(exc)}
     collective = elche.collective

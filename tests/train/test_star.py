@@ -23,6 +23,14 @@ def ranks(out: Path, n: int) -> list[dict]:  # type: ignore[type-arg]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(n)]
 
 
+def tails(out: Path, lines: int = 15) -> str:
+    """The last lines each torchrun node wrote to its stderr (its ranks' too)."""
+    return "\n".join(
+        f"--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+        for log in sorted(out.glob("node*.log"))
+    )
+
+
 def nodes(
     out: Path,
     scenario: str,
@@ -39,8 +47,10 @@ def nodes(
     once ranks 0..survivors-1 (or ``expect``) wrote their results; a node still running then
     is stopped (None): torchrun's agent waits in its exit barrier (300 s, not settable from
     its command line) for a node whose agent is gone."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    # (MUSTER_TRAIN_DEBUG: each collective entered and left, in the node logs tails() shows)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), MUSTER_TRAIN_DEBUG="1")
     port = free_port()
+    logs = [(out / f"node{i}.log").open("wb") for i in range(len(per_node))]
     procs = [
         subprocess.Popen(
             [
@@ -65,7 +75,7 @@ def nodes(
             ],
             env=env,
             stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+            stderr=logs[i],
         )
         for i, n in enumerate(per_node)
     ]
@@ -73,8 +83,8 @@ def nodes(
     expect = expect if expect is not None else list(range(survivors))
     try:
         while not all((out / f"rank{r}.json").exists() for r in expect):
-            assert time.monotonic() < deadline, "the survivors never finished"
-            assert any(p.poll() is None for p in procs), [p.returncode for p in procs]
+            assert time.monotonic() < deadline, f"the survivors never finished:\n{tails(out)}"
+            assert any(p.poll() is None for p in procs), ([p.returncode for p in procs], tails(out))
             time.sleep(0.2)
         for node in exits:  # (these nodes end on their own: a rank of theirs died)
             procs[node].wait(timeout=max(1.0, deadline - time.monotonic()))
@@ -90,6 +100,8 @@ def nodes(
         for rank in _processes_with(str(out)):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(rank, signal.SIGKILL)
+        for log in logs:
+            log.close()
 
 
 def _processes_with(arg: str) -> list[int]:
