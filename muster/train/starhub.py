@@ -692,17 +692,27 @@ class Hub:
             op = self.op
             if id(child) in op.valued and id(child) not in op.done:
                 op.tainted = True  # (part of its values may be in the sum: void this op)
+            # (the reason is on record before the op it frees can answer anyone)
+            fresh = self._record_dead(set(child.ranks), why)
             self.cv.notify_all()
         if child.codec is not None:
             child.codec.cut()
-        self._mark_dead(set(child.ranks), why)
+        self._announce_dead(fresh, why)
+
+    def _record_dead(self, ranks: set[int], why: str) -> set[int]:
+        """Under ``cv``: the ranks newly dead, their reason recorded."""
+        fresh = ranks - set(self.dead)
+        for rank in fresh:
+            self.dead[rank] = why
+        return fresh
 
     def _mark_dead(self, ranks: set[int], why: str) -> None:
         with self.cv:
-            fresh = ranks - set(self.dead)
-            for rank in fresh:
-                self.dead[rank] = why
+            fresh = self._record_dead(ranks, why)
             self.cv.notify_all()
+        self._announce_dead(fresh, why)
+
+    def _announce_dead(self, fresh: set[int], why: str) -> None:
         if not fresh:
             return
         level = logging.INFO if why.startswith(LEFT) else logging.WARNING

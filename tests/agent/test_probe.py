@@ -91,8 +91,9 @@ def test_a_path_that_drops_everything_for_a_while_is_given_the_readiness_window(
         listener = ProbeListener()
         port = await listener.start("127.0.0.1")
         try:
-            # Four tries time out (0.8 s of a 1.0 s window): the fifth still fits.
-            healed = await measure(1, "127.0.0.1", port, 0, window=1.0)
+            # Four tries time out (0.8 s of a 3 s window, room for a busy runner's late
+            # wake-ups): the fifth connects.
+            healed = await measure(1, "127.0.0.1", port, 0, window=3.0)
             assert healed.error is None, healed
             assert healed.connects == 3
             dropped["left"] = 100  # never heals
@@ -106,7 +107,8 @@ def test_a_path_that_drops_everything_for_a_while_is_given_the_readiness_window(
             await asyncio.sleep(0.1)  # the readiness connections' handlers end
         assert broken.connects == 0
         assert broken.error is not None
-        assert re.match(r"0 of [456] connections to 127\.0\.0\.1:", broken.error), broken.error
+        # (5 tries of 0.2 s in the 1 s window; fewer when a busy runner wakes them late)
+        assert re.match(r"0 of [3-6] connections to 127\.0\.0\.1:", broken.error), broken.error
         assert "TimeoutError" in broken.error
         assert 0.9 < took < 3.0, took  # the window, not the 20-try cap (4 s) nor the first 3 tries
         assert without.error is not None
@@ -278,9 +280,11 @@ def test_a_sample_ends_once_its_rate_holds_and_never_past_its_bound() -> None:
         assert long.error is None
         assert long.gbps is not None
         assert long.gbps > 0.1
-        assert took < 20, f"a 30 s sample on loopback ran {took:.1f} s: it never held its rate"
+        # (a sample that never held its rate runs its 30 s; a busy runner's jitter may keep
+        # the rule from ending it at the first chance, so the bound is well past that)
+        assert took < 27, f"a 30 s sample on loopback ran {took:.1f} s: it never held its rate"
         assert short.gbps is not None
         assert short.gbps > 0.1
-        assert bounded < 2.0  # 0.5 s of sending, plus the connections and the echo
+        assert bounded < 4.0  # 0.5 s of sending, plus the connections and the echo
 
     asyncio.run(scenario())

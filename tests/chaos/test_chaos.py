@@ -205,7 +205,8 @@ def test_a_member_that_does_not_dial_back_fails_the_job_after_the_grace(tmp_path
         waited = time.monotonic() - started
         assert job["state"] == "failed"
         assert "node1 (worker agent-1) did not dial back within the grace" in job["root_cause"]
-        assert waited < 3 * 4 + 10, waited  # the grace is 3 heartbeat timeouts
+        # the grace is 3 heartbeat timeouts, plus the server's start and a busy runner
+        assert waited < 3 * 4 + 20, waited
         # agent-0 came back and was told to stop its member; agent-1's ranks died with it.
         wait_no_processes(cluster, job_id, timeout=40)
 
@@ -223,10 +224,10 @@ def test_an_agent_notices_a_wedged_controller_and_dials_back(tmp_path: Path) -> 
         try:
             log = cluster.log("agent-0")
             while "no frame from the controller" not in log.read_text():
-                assert time.monotonic() - stopped_at < 20, log.read_text()[-2000:]
+                assert time.monotonic() - stopped_at < 30, log.read_text()[-2000:]
                 time.sleep(0.2)
             noticed = time.monotonic() - stopped_at
-            assert noticed < 4 + 8, noticed  # the heartbeat timeout, and room for a busy loop
+            assert noticed < 4 + 15, noticed  # the heartbeat timeout, and room for a busy loop
         finally:
             os.kill(server.pid, signal.SIGCONT)
         cluster.wait_for_workers(1, timeout=90)

@@ -61,8 +61,12 @@ def test_ddp_example_succeeds_with_artifacts_and_gating(
     assert (members[0]["ranks"], members[1]["ranks"]) == ([0, 1], [2, 3])
     wait_no_processes(cluster, job_id)
 
-    time.sleep(1)  # gauges refresh on the supervision tick
-    metrics = httpx.get(f"{cluster.url}/metrics", timeout=10).text
+    deadline = time.monotonic() + 15  # gauges refresh on the supervision tick and passes
+    while True:
+        metrics = httpx.get(f"{cluster.url}/metrics", timeout=10).text
+        if 'muster_jobs{state="succeeded"} 1.0' in metrics or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert "muster_agents_connected 2.0" in metrics
     assert 'muster_jobs{state="succeeded"} 1.0' in metrics
     ingested = re.search(r"^muster_log_lines_ingested_total (\S+)$", metrics, re.M)

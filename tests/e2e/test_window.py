@@ -309,9 +309,12 @@ def test_pool_agents_never_take_a_window_job(cluster: LocalCluster, tmp_path: Pa
     cluster.start_agent("pool-agent")
     cluster.wait_for_workers(1)
     job = submit(api, window_job(tmp_path, "pooled", {"start": "manual", "quorum": 1}, hosts=1))
-    time.sleep(2)
+    deadline = time.monotonic() + 15  # (a pass writes the reason; an idle one runs every 5 s)
+    while "join window waiting: 0 rank(s) in" not in (api.job(job)["why_pending"] or ""):
+        assert time.monotonic() < deadline, api.job(job)
+        time.sleep(0.2)
+    time.sleep(1)
     assert api.job(job)["state"] == "queued"
-    assert "join window waiting: 0 rank(s) in" in (api.job(job)["why_pending"] or "")
     assert not any(w["state"] != "idle" for w in api.workers() if w["id"] == "pool-agent")
     api.cancel(job)
     cluster.stop("pool-agent")

@@ -8,8 +8,8 @@ argv: OUT_DIR SCENARIO KILL [SAVE], SCENARIO one of
   a save (SAVE);
 - freeze: as cadence, but rank KILL is SIGSTOPped (silent, its sockets open), stall_s 8 s:
   the survivors' waits ping the members, find it silent and re-form without it;
-- stall: 2 ranks under one torchrun; rank 1 sleeps past stall_s (3 s) in its window: rank 0
-  stops with a save (SAVE) saying the collective stalled.
+- stall: 2 ranks under one torchrun; rank 1 sleeps in its window until rank 0 has saved
+  (past stall_s, 3 s): rank 0 stops with a save (SAVE) saying the collective stalled.
 """
 
 from __future__ import annotations
@@ -55,8 +55,12 @@ def stall(rank: int, save: str) -> dict[str, object]:
     try:
         for indices in elche.epoch(0):
             elche.step(nn.functional.mse_loss(model(x[indices]), y[indices]))
-            if rank == 1 and elche.window == 1:
-                time.sleep(8)  # (alive, but its round does not come)
+            if rank == 1 and elche.window == 1:  # alive, but its round does not come:
+                deadline = time.monotonic() + 60  # until rank 0 has stopped with its save
+                while not Path(f"{save}.rank0.meta.json").exists():
+                    if time.monotonic() > deadline:
+                        break
+                    time.sleep(0.1)
     except CohortStopped as exc:
         return {"stopped": str(exc), "after_s": time.monotonic() - started}
     return {"stopped": None}

@@ -105,7 +105,7 @@ def modes(rank: int, world: int) -> dict[str, object]:
                       backend="star", anchor_batches=2, heartbeat_s=0.5,
                       timeout_s=3.0)  # fmt: skip
         losses = []
-        counts = []
+        counts: dict[tuple[int, int], list[int]] = {}  # (epoch, window): its counts
         for epoch in range(3):
             for indices in elche.epoch(epoch):
                 t0 = time.perf_counter()
@@ -114,13 +114,15 @@ def modes(rank: int, world: int) -> dict[str, object]:
                 losses.append(float(loss))
                 if rank == 1:
                     time.sleep(2 * (time.perf_counter() - t0) + 0.004)
-                counts.append(list(elche.counts))
+                counts[epoch, elche.window] = list(elche.counts)
         out[mode] = {
             "first": sum(losses[:4]) / 4,
             "last": sum(losses[-4:]) / 4,
             "params": flat(model).tolist(),
             "windows": elche.window,
-            "counts": counts[-1],
+            # every window's counts summed per rank (an epoch's last window alone may be
+            # cut to [1, 1] by the batches left)
+            "counts": [sum(c[r] for c in counts.values()) for r in range(world)],
         }
         elche.close()
     return out

@@ -29,7 +29,11 @@ def test_cadence_gives_the_fast_rank_more_batches(cadence: list[dict[str, Any]])
     # Rank 1 is three times slower; once timings are in, the fast rank ranges ahead (in
     # lockstep the counts would be equal). Under load on 2 cores the measured ratio sinks
     # towards 2x, so the bounds leave room for noise, not for lockstep.
-    later = [w["counts"] for w in fast["windows"][2:]]
+    # (each epoch's last window is cut to the batches left, [1, 1] for 2: left out)
+    windows = fast["windows"]
+    later = [w["counts"] for i, w in enumerate(windows) if i >= 2 and i + 1 < len(windows)
+             and windows[i + 1]["epoch"] == w["epoch"]]  # fmt: skip
+    assert later, windows
     assert all(c0 > c1 for c0, c1 in later if c1 > 0), later
     ran = [sum(len(w["indices"]) for w in r["windows"]) for r in cadence]
     assert ran[0] > 1.5 * ran[1], ran

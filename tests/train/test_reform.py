@@ -90,7 +90,7 @@ def test_a_stalled_collective_ends_in_a_save_with_the_reason(tmp_path: Path) -> 
     torchrun(WORKER, str(tmp_path), "stall", "-", str(save), nproc=2, timeout=120)
     first, second = results(tmp_path, [0, 1])
     assert "a collective stalled" in first["stopped"], first
-    assert first["after_s"] < 8  # (stall_s 3 s, not rank 1's 8 s of sleep)
+    assert first["after_s"] < 15  # (stall_s 3 s, not gloo's own timeout of 30 minutes)
     meta = json.loads(Path(f"{save}.rank0.meta.json").read_text())
     assert "stalled" in meta["reason"]
     assert Path(f"{save}.rank0.pt").exists()
