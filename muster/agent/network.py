@@ -143,6 +143,7 @@ class GangNetwork:
             **ids,
             "public_key": self.device.public_key,
             "port": self.device.port,
+            "mtu": self.device.mtu,  # (on the job's NetworkReady event)
             "join_key": body.get("join_key"),  # the epoch's single-use key, back once
         }
         if public is not None:

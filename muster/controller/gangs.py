@@ -960,7 +960,9 @@ class Controller:
         if not _is_wg_key(key) or not 0 < port < 65536 or not host:
             return NetReady(node, error=f"a malformed NET_READY (key {key[:8]!r}, port {port})")
         endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        return NetReady(node, key, endpoint)
+        mtu = body.get("mtu")  # (an older agent says none; a bogus one is not repeated)
+        fits = isinstance(mtu, int) and not isinstance(mtu, bool) and 576 <= mtu <= 65535
+        return NetReady(node, key, endpoint, mtu=mtu if fits else None)
 
     def _relay_list(self, entry: RunEntry, node: int) -> list[dict[str, Any]]:
         """The relays with single-use tickets admitting member ``node`` of the run's gang to

@@ -60,6 +60,7 @@ class NetReady:
     error: str | None = None
     silent: tuple[int, ...] = ()  # with ``error``: the peers it got no handshake from
     shim_not_loaded: bool = False  # relayed: the job's launcher ignores the preloaded shim
+    mtu: int | None = None  # direct: the MTU its device took (the gang's, or its uplink's less)
 
 
 @dataclass(frozen=True)

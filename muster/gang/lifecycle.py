@@ -73,6 +73,7 @@ from muster.gang.events import (
     Tick,
 )
 from muster.gang.run import GangPhase, GangRun, Member, replace
+from muster.plan import MESH_MTU
 from muster.spec import JobState, MemberState, PathClass
 
 _M = MemberState
@@ -325,6 +326,8 @@ def _probe_done(turn: _Turn, event: ProbeDone) -> None:
         )
         if pair.error is not None or pair.connects < 3:
             cause = f"the probe failed from {who}: {pair.error}"
+            if run.path is PathClass.DIRECT:
+                cause += _mtu_hint(member, peer)
             _fence(turn, cause, [(member.node, pair.node)], "ProbeFailed")
             return
         if run.path is PathClass.DIRECT and pair.via is not None and pair.via != event.device:
@@ -337,6 +340,18 @@ def _probe_done(turn: _Turn, event: ProbeDone) -> None:
             return
     if not turn.run.probe_pending:
         _next_probe_round(turn)
+
+
+def _mtu_hint(a: Member, b: Member) -> str:
+    """For a direct pair that failed its probe with a device above the 1280 that crosses any
+    network: what to try (a path that carries less than its links say, dropping the ICMP
+    that would tell, passes a handshake and stalls a transfer)."""
+    if not any(m.mtu and m.mtu > MESH_MTU for m in (a, b)):
+        return ""
+    return (
+        f" (their devices' MTU: {a.mtu or '?'} and {b.mtu or '?'}; if the path between them "
+        f"carries less than their links say, start their agents with --direct-mtu {MESH_MTU})"
+    )
 
 
 def _probe_passed(turn: _Turn) -> None:
@@ -434,7 +449,7 @@ def _net_ready(turn: _Turn, event: NetReady) -> None:
             "DirectPathFailed" if path is PathClass.DIRECT else "RelayedPathFailed",
         )
         return
-    turn.update(member.node, net_key=(event.public_key, event.endpoint))
+    turn.update(member.node, net_key=(event.public_key, event.endpoint), mtu=event.mtu)
     members = turn.run.members
     if any(m.net_key is None for m in members):
         return
@@ -460,13 +475,13 @@ def _net_up(turn: _Turn, event: NetUp) -> None:
     turn.update(member.node, net_up=True)
     if all(m.net_up for m in turn.run.members):
         path = (run.path or PathClass.DIRECT).value
-        turn.emit(
-            RecordEvent(
-                "NetworkReady",
-                f"epoch {run.epoch}: {path} network up between {len(run.members)} members",
-                {"epoch": run.epoch, "path": path},
-            )
-        )
+        said = f"epoch {run.epoch}: {path} network up between {len(run.members)} members"
+        data: dict[str, object] = {"epoch": run.epoch, "path": path}
+        mtus = [m.mtu for m in turn.run.members]
+        if any(mtus):  # (each member's device, node by node: one that lacks it is a suspect)
+            said += " (MTU " + ", ".join(str(m or "?") for m in mtus) + ")"
+            data["mtu"] = mtus
+        turn.emit(RecordEvent("NetworkReady", said, data))
         _start_probe_or_rendezvous(turn)
 
 

@@ -81,6 +81,7 @@ class Member:
     unconfirmed: bool = False  # after a controller restart, until its agent's LinkBack
     networked: bool = False  # NET_SETUP was sent: a device of this run may exist on its worker
     net_key: tuple[str, str] | None = None  # (public key, endpoint) from its NET_READY
+    mtu: int | None = None  # the MTU its direct-path device took, from its NET_READY
     hung: bool = False  # its ranks are silent and idle (HUNG), until it says otherwise
     ranks: tuple[int, int] | None = None  # its first and last global rank (from HUNG)
     net_up: bool = False  # NET_UP: its device knows every peer

@@ -77,6 +77,22 @@ def test_keys_go_round_once_all_are_in_and_the_rendezvous_waits_for_every_device
     )
 
 
+def test_the_network_ready_event_gives_each_members_mtu() -> None:
+    """Each agent sizes its device (the gang's MTU, less what its uplink lacks): the event
+    says what each took, node by node, and leaves out what an older agent did not say."""
+    run = placed()
+    for node, mtu in enumerate((1420, None, 1380)):
+        ready = KEYS[node]
+        run, _ = step(run, NetReady(ready.node, ready.public_key, ready.endpoint, mtu=mtu), 1)
+    for node in range(3):
+        run, actions = step(run, NetUp(node), 2)
+    assert actions[0] == RecordEvent(
+        "NetworkReady",
+        "epoch 1: direct network up between 3 members (MTU 1420, ?, 1380)",
+        {"epoch": 1, "path": "direct", "mtu": [1420, None, 1380]},
+    )
+
+
 def test_a_member_that_cannot_make_its_device_fences_the_epoch_and_every_device_comes_down() -> (
     None
 ):

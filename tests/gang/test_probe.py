@@ -222,3 +222,30 @@ def test_the_direct_path_is_the_members_own_device_whatever_its_name() -> None:
     assert actions[0].reason == "PathNotDirect"
     assert "left by muster1, not muster0" in actions[0].message
     assert run.fenced
+
+
+def test_a_direct_pair_at_a_larger_mtu_that_fails_its_probe_is_told_what_to_try() -> None:
+    """Devices above 1280 (hosts in one declared region) over a path that carries less than
+    its links say: the handshake passes, the transfer stalls. The fence names the MTUs and
+    the flag; at 1280 there is nothing of the kind to say."""
+    placed = Placed("job1", 1, W[:2], PathClass.DIRECT, probe_seconds=1.0)
+    bad = ProbePair(1, 3, error="sample stalled: 0 bytes in 5 s")
+    for mtus, hinted in (((1420, 1380), True), ((1280, 1280), False), ((None, None), False)):
+        run, _ = step(GangRun(), placed, 0)
+        for node in (0, 1):
+            ready = NetReady(node, f"k{node}=", f"10.0.0.{node + 1}:1", mtu=mtus[node])
+            run, _ = step(run, ready, 0)
+        run, _ = step(run, NetUp(0), 0)
+        run, _ = step(run, NetUp(1), 0)
+        run, _ = step(run, ProbeReady(0, 40000), 1)
+        run, _ = step(run, ProbeReady(1, 40001), 1)
+        run, actions = step(run, ProbeDone(0, (bad,)), 2)
+        assert isinstance(actions[0], SetCondition)
+        assert actions[0].reason == "ProbeFailed"
+        hint = (
+            " (their devices' MTU: 1420 and 1380; if the path between them carries less "
+            "than their links say, start their agents with --direct-mtu 1280)"
+        )
+        assert actions[0].message.endswith(hint) is hinted, actions[0].message
+        assert "sample stalled" in actions[0].message
+        assert run.fenced

@@ -148,6 +148,10 @@ def test_hosts_in_one_declared_region_use_wireguards_larger_packets(
         if ln["text"].startswith("env ")
     }
     assert mtus == {"h1": "1420", "h2": "1380", "h3": "1300"}, lines
+    # ... and the job says so, node by node, where `muster describe` shows it
+    ready = next(e for e in job["events"] if e["kind"] == "NetworkReady")
+    said = {worker_of[node]: mtu for node, mtu in enumerate(ready["data"]["mtu"])}
+    assert said == {"h1": 1420, "h2": 1380, "h3": 1300}, ready
     sums = [ln["text"] for ln in lines if ln["text"].startswith("sum=")]
     assert sums == ["sum=6 expected=6"] * 3, lines
     wait_no_device_left(rig, (h1, h2, h3))
