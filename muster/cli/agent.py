@@ -40,6 +40,22 @@ from muster.store import ensure_data_dir
 from muster.store.engine import make_private_dir
 from muster.wire import open_worker_id
 
+# Where a host is: the same options on `muster agent` and `muster join`.
+PROVIDER = typer.Option(
+    "local",
+    envvar="MUSTER_PROVIDER",
+    help="the provider this host is in (aws, gcp, onprem); with --region, it places "
+    "`network: colocated` jobs and sizes the direct path's packets [local: undeclared]",
+)
+REGION = typer.Option(
+    "local", envvar="MUSTER_REGION", help="the provider's region (us-east-1) [local]"
+)
+REGION_CLASS = typer.Option(
+    "local",
+    envvar="MUSTER_REGION_CLASS",
+    help="regions close enough for `network: regional` jobs (us, eu) [local]",
+)
+
 
 @app.command()
 @reports_errors
@@ -70,20 +86,9 @@ def agent(
         help="network interface the ranks bind (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME) "
         "[the one holding the advertise address]",
     ),
-    provider: str = typer.Option(
-        "local",
-        envvar="MUSTER_PROVIDER",
-        help="the provider this host is in (aws, gcp, onprem); with --region, it places "
-        "`network: colocated` jobs and sizes the direct path's packets [local: undeclared]",
-    ),
-    region: str = typer.Option(
-        "local", envvar="MUSTER_REGION", help="the provider's region (us-east-1) [local]"
-    ),
-    region_class: str = typer.Option(
-        "local",
-        envvar="MUSTER_REGION_CLASS",
-        help="regions close enough for `network: regional` jobs (us, eu) [local]",
-    ),
+    provider: str = PROVIDER,
+    region: str = REGION,
+    region_class: str = REGION_CLASS,
     device: str = typer.Option(
         None,
         help="name of this agent's WireGuard device on the direct path; two agents on one "
@@ -174,20 +179,9 @@ def join(
         None, help="id of the private network this box shares with the others [none]"
     ),
     interface: str = typer.Option(None, help="network interface the ranks bind"),
-    provider: str = typer.Option(
-        "local",
-        envvar="MUSTER_PROVIDER",
-        help="the provider this host is in (aws, gcp, onprem); with --region, it places "
-        "`network: colocated` jobs and sizes the direct path's packets [local: undeclared]",
-    ),
-    region: str = typer.Option(
-        "local", envvar="MUSTER_REGION", help="the provider's region (us-east-1) [local]"
-    ),
-    region_class: str = typer.Option(
-        "local",
-        envvar="MUSTER_REGION_CLASS",
-        help="regions close enough for `network: regional` jobs (us, eu) [local]",
-    ),
+    provider: str = PROVIDER,
+    region: str = REGION,
+    region_class: str = REGION_CLASS,
     persist: bool = typer.Option(
         False, help="when refused, or the link is lost, dial again (5 s doubling to 60 s)"
     ),
