@@ -16,8 +16,9 @@ for every arm, in one run:
   controller runs elsewhere).
 
 - muster's probe (muster.net.probe, the spec's default sample: at most 10 s, sooner once
-  steady) over the raw veth and over muster direct, against iperf3 on the same path; and a
-  4-member gang's whole probe, timed.
+  steady) over the raw veth and over muster direct, in the same rounds, against iperf3 on
+  the same path (on the raw veth also against `iperf3 -Z`, whose sender copies nothing:
+  a veth's rate is how fast the two ends copy); and a 4-member gang's whole probe, timed.
 
 Goals (issue 10): muster direct >= 0.95x wireguard-go alone (in one region, both at 1420;
 across regions muster keeps 1280 and is compared with wireguard-go at 1280 too); the probe
@@ -69,12 +70,15 @@ ALL_REDUCE = textwrap.dedent(
 )
 
 
-def iperf3(rig: Rig, client: Host, server_addr: str, seconds: int = 5) -> float:
+def iperf3(
+    rig: Rig, client: Host, server_addr: str, seconds: int = 5, zerocopy: bool = False
+) -> float:
     """Gbit/s received, one TCP stream, 1 MiB writes (iperf3's largest; its default 128 KiB
-    costs a CPU-bound veth a third of its rate here, and the probe writes 1 MiB too)."""
+    costs a CPU-bound veth a third of its rate here, and the probe writes 1 MiB too);
+    ``zerocopy``: -Z, the sender hands the kernel pages (sendfile) instead of copying."""
     out = rig.run(
-        client, "iperf3", "-c", server_addr, "-t", str(seconds), "-l", "1M", "-J",
-        timeout=seconds + 30,
+        client, "iperf3", "-c", server_addr, "-t", str(seconds), "-l", "1M",
+        *(["-Z"] if zerocopy else []), "-J", timeout=seconds + 30,
     ).stdout  # fmt: skip
     return float(json.loads(out)["end"]["sum_received"]["bits_per_second"]) / 1e9
 
@@ -317,20 +321,25 @@ def main() -> None:
         rows = {}
         arms = (
             ("raw veth", b.address),
+            ("raw veth, iperf3 -Z", b.address),
             ("wireguard-go by hand", "10.99.0.2"),
             ("wireguard-go, MTU 1280", "10.98.0.2"),
             ("muster direct", "100.64.0.2"),
             ("muster direct, one region", "100.64.4.2"),
         )
-        # Interleaved (every arm once per round): this machine's speed drifts over minutes,
-        # and a ratio of arms run minutes apart would measure the drift.
-        runs: dict[str, list[float]] = {arm: [] for arm, _ in arms}
+        probes = (("probe, raw veth", b.address), ("probe, muster direct", "100.64.0.2"))
+        # Interleaved (every arm once per round, the probe's samples too): this machine's
+        # speed drifts over minutes, and a ratio of arms run minutes apart would measure it.
+        runs: dict[str, list[float]] = {arm: [] for arm, _ in (*arms, *probes)}
         for _ in range(IPERF_ROUNDS):
             for arm, addr in arms:
-                runs[arm].append(iperf3(rig, a, addr))
-        for arm, _ in arms:
+                runs[arm].append(iperf3(rig, a, addr, zerocopy=arm.endswith("-Z")))
+            for arm, addr in probes:
+                runs[arm].append(probe_gbps(rig, a, b, addr, PROBE_SECONDS))
+        for arm, _ in (*arms, *probes):
             rows[arm] = statistics.median(runs[arm])
-            print(f"iperf3 {arm:26} {rows[arm]:6.2f} Gbit/s (median of {IPERF_ROUNDS}: "
+            tool = "" if arm.startswith("probe") else "iperf3 "
+            print(f"{tool}{arm:33} {rows[arm]:6.2f} Gbit/s (median of {IPERF_ROUNDS}: "
                   + ", ".join(f"{r:.2f}" for r in runs[arm]) + ")", flush=True)  # fmt: skip
 
         def paired(mine: str, theirs: str) -> str:
@@ -349,12 +358,12 @@ def main() -> None:
         cost = rows["muster direct"] / rows["wireguard-go by hand"]
         print(f"muster direct across regions / wireguard-go alone (1420): {cost:.2f}")
 
-        for arm, addr, key in (("raw veth", b.address, "raw veth"),
-                               ("muster direct", "100.64.0.2", "muster direct")):  # fmt: skip
-            sample = probe_gbps(rig, a, b, addr, PROBE_SECONDS)
-            ratio = sample / rows[key]
-            print(f"probe (<= {PROBE_SECONDS:.0f} s sample) over {arm:14} {sample:6.2f} Gbit/s = "
-                  f"{ratio:.2f}x iperf3 on the same path (goal 0.85-1.15)")  # fmt: skip
+        for probe, iperf in (("probe, raw veth", "raw veth"),
+                             ("probe, raw veth", "raw veth, iperf3 -Z"),
+                             ("probe, muster direct", "muster direct")):  # fmt: skip
+            ratio = rows[probe] / rows[iperf]
+            print(f"{probe} (<= {PROBE_SECONDS:.0f} s samples) / iperf3 {iperf}: {ratio:.2f}, "
+                  f"per round {paired(probe, iperf)} (goal 0.85-1.15)")  # fmt: skip
 
         # The controller and the agents run on this machine's cores too (on a real cluster
         # the controller is elsewhere): every arm runs with them up, the private job and

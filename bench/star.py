@@ -2,9 +2,12 @@
 
 1. Time: one 64 MiB f32 reduce (the sum, divided once) through the star, against gloo's
    all_reduce of the same tensor on the same ranks, 2 and 4 ranks under torchrun on this
-   machine, interleaved, median of the slowest rank per repetition. The star runs two ways:
-   every rank on one host (one fold, in rank 0's process beside the root) and every rank a
-   host of its own (a fold per rank, each with its own uplink to the root).
+   machine, interleaved, median of the slowest rank per repetition. The star runs two or
+   three ways: every rank on one host (one fold, in rank 0's process beside the root), every
+   rank a host of its own (a fold per rank, each with its own uplink to the root), and at 4
+   ranks two hosts of two (a fold per pair). Each is printed with the ratio a network
+   would allow if each host's link were the bound (``link_bound``): on one machine the
+   "links" are loopback, so the measured ratio is CPU's, not the network's.
 2. Uplink: the bytes a fold sends its root for one 16 MiB reduce with 1, 2 and 4 local ranks,
    over the model's bytes (goal 1x: the fold sums before it sends).
 3. Root memory: a root alone in its own process, 4 hosts each sending 64 MiB contributions
@@ -35,6 +38,26 @@ MIB = 1 << 20
 SALT = b"b" * 32
 
 
+def layouts(world: int) -> dict[str, list[int]]:
+    """The star's arms: each rank's host, by arm name."""
+    arms = {"one host": [0] * world, "a host per rank": list(range(world))}
+    if world >= 4 and world % 2 == 0:
+        arms["two hosts"] = [r * 2 // world for r in range(world)]
+    return arms
+
+
+def link_bound(hosts: list[int]) -> float | None:
+    """The star's time over a ring all_reduce's where each host's link is the bound (None on
+    one host: no link). A ring ordered by host sends 2(n-1)/n of the model each way over each
+    host's link; the star's root host receives and sends the model once for every other
+    host. So a host per rank costs n/2 (2x at 4 ranks) whatever the code, and a fold of
+    several ranks per host can beat the ring (2 hosts of 2: 0.67x). Against an all_reduce
+    that is itself hierarchical (2(h-1)/h of the model over each host's link) the root host
+    costs h/2 however its ranks fold: the star trades the root's link for one round trip."""
+    n, h = len(hosts), len(set(hosts))
+    return None if h == 1 else (h - 1) / (2 * (n - 1) / n)
+
+
 def worker(out: str, reps: int) -> None:
     import torch
     import torch.distributed as dist
@@ -49,10 +72,7 @@ def worker(out: str, reps: int) -> None:
     values = torch.full((n,), float(rank + 1))
     target = torch.empty(n)
     ceilings = Ceilings(heartbeat_s=2.0, timeout_s=60.0)
-    stars = {
-        "one host": form(None, ceilings, hosts=[0] * world),
-        "a host per rank": form(None, ceilings, hosts=list(range(world))),
-    }
+    stars = {name: form(None, ceilings, hosts=hosts) for name, hosts in layouts(world).items()}
     times: dict[str, list[float]] = {"gloo": [], **{k: [] for k in stars}}
     expected = sum(range(1, world + 1)) / world
 
@@ -191,9 +211,13 @@ def main() -> None:
             times = json.loads(out.read_text())
         gloo = statistics.median(times.pop("gloo"))
         print(f"  {world} ranks: gloo all_reduce {gloo * 1e3:.0f} ms")
+        arms = layouts(world)
         for name, got in times.items():
             star = statistics.median(got)
-            print(f"    star, {name}: {star * 1e3:.0f} ms = {star / gloo:.2f}x gloo (goal <= 1.5)")
+            bound = link_bound(arms[name])
+            ideal = "no link" if bound is None else f"{bound:.2f}x"
+            print(f"    star, {name}: {star * 1e3:.0f} ms = {star / gloo:.2f}x gloo "
+                  f"(goal <= 1.5; link-bound ideal {ideal})")  # fmt: skip
     print("host uplink per reduce, over the model's bytes (goal 1x):")
     for local in (1, 2, 4):
         print(f"  {local} local ranks: {uplink(local):.4f}x")
