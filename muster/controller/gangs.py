@@ -74,6 +74,7 @@ from muster.gang import (
     SetJobState,
     SetMemberState,
     SetRendezvous,
+    SmallerPackets,
     Tick,
     step,
 )
@@ -82,6 +83,7 @@ from muster.net.relaywire import issue_ticket
 from muster.plan import (
     MESH_GANGS,
     MESH_MAX_NODES,
+    MESH_MTU_REGION,
     MESH_PREFIX,
     gang_addressing,
     mesh_address,
@@ -191,6 +193,9 @@ class Controller:
         # Pairs of workers each job's gangs must not hold together, per path (KeepApart of
         # its fenced epochs); restored from their EpochFenced events after a restart.
         self._apart: dict[str, dict[PathClass, frozenset[frozenset[str]]]] = {}
+        # The MTU each job's next direct gangs take at most (SmallerPackets of its fenced
+        # epochs); restored from their EpochFenced events after a restart, as _apart is.
+        self._packets: dict[str, int] = {}
         self._pass_wanted = True
         self.last_pass_took = 0.0
         self._consumers: dict[str, asyncio.Task[None]] = {}  # worker id -> its link's consumer
@@ -273,6 +278,8 @@ class Controller:
                 writes.append(ReleaseWrite(action.worker, job))
             elif isinstance(action, KeepApart):
                 self._keep_apart(job, action.path, action.pairs)
+            elif isinstance(action, SmallerPackets):
+                self._packets[job] = min(action.mtu, self._packets.get(job, action.mtu))
             elif isinstance(action, CaptureStacks):
                 self.stacks.capture_later(job, action.episode)
             elif isinstance(action, SetCondition):
@@ -320,7 +327,9 @@ class Controller:
                     "node_rank": action.node,
                     "address": mesh_address(action.node, entry.mesh),
                     "prefix": MESH_PREFIX,
-                    "mtu": mesh_mtu(entry.inventories),
+                    "mtu": min(
+                        mesh_mtu(entry.inventories), self._packets.get(job, MESH_MTU_REGION)
+                    ),
                     "join_key": entry.join_keys.issue(action.node),
                 }
                 await send(action.worker, Kind.NET_SETUP, setup)
@@ -396,12 +405,17 @@ class Controller:
         kept = self._apart.setdefault(job, {})
         kept[path] = kept.get(path, frozenset()) | {frozenset(pair) for pair in pairs}
 
+    def _forget_fences(self, job: str) -> None:
+        """The job is over: what its fenced epochs asked of its next gangs goes."""
+        self._apart.pop(job, None)
+        self._packets.pop(job, None)
+
     def _flushed(self, writes: Sequence[Write]) -> None:
         """After a commit: a worker freed or a job ended is room for the queue (and an
         ended job's kept-apart pairs are forgotten)."""
         for w in writes:
             if isinstance(w, JobStateWrite) and w.state.is_terminal:
-                self._apart.pop(w.job, None)
+                self._forget_fences(w.job)
         if any(
             isinstance(w, ReleaseWrite) or (isinstance(w, JobStateWrite) and w.state.is_terminal)
             for w in writes
@@ -585,7 +599,7 @@ class Controller:
                         f"the stored spec no longer validates ({_first_line(exc)}); "
                         "fix it and submit the job again",
                     )
-                    self._apart.pop(job_id, None)
+                    self._forget_fences(job_id)
                     continue
             if spec.gang.membership == "window":
                 windowed[job_id] = spec
@@ -735,6 +749,7 @@ class Controller:
             for path, a, b in pairs:
                 with contextlib.suppress(ValueError):  # a path this version does not know
                     self._keep_apart(job_id, PathClass(path), [(a, b)])
+        self._packets.update(await self.db(self.store.packets_capped))
         records = await self.db(self.store.active_runs)
         if not records:
             return
@@ -1092,7 +1107,7 @@ class Controller:
                 await self.db(
                     self.store.set_job_state, job_id, JobState.CANCELLED, "cancelled by the user"
                 )
-                self._apart.pop(job_id, None)
+                self._forget_fences(job_id)
                 await self.windows.cancelled(job_id)
                 return
         await written  # the caller reads the job back: the cancel is on record first

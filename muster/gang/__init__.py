@@ -18,6 +18,7 @@ from muster.gang.actions import (
     SetJobState,
     SetMemberState,
     SetRendezvous,
+    SmallerPackets,
 )
 from muster.gang.causes import root_cause, upload_cause
 from muster.gang.events import (
@@ -96,6 +97,7 @@ __all__ = [
     "SetJobState",
     "SetMemberState",
     "SetRendezvous",
+    "SmallerPackets",
     "StacksCaptured",
     "Tick",
     "root_cause",

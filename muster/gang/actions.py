@@ -155,8 +155,17 @@ class KeepApart:
     pairs: tuple[tuple[str, str], ...]
 
 
+@dataclass(frozen=True)
+class SmallerPackets:
+    """The job's next direct gangs take the MTU that crosses any network (``mtu``): a pair
+    above it connected, then stalled (a path that carries less than its links say)."""
+
+    mtu: int
+
+
 Action: TypeAlias = (
     KeepApart
+    | SmallerPackets
     | CaptureStacks
     | SendProbeListen
     | SendMasterCheck

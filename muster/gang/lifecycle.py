@@ -48,6 +48,7 @@ from muster.gang.actions import (
     SetJobState,
     SetMemberState,
     SetRendezvous,
+    SmallerPackets,
 )
 from muster.gang.causes import root_cause, upload_cause
 from muster.gang.events import (
@@ -326,8 +327,12 @@ def _probe_done(turn: _Turn, event: ProbeDone) -> None:
         )
         if pair.error is not None or pair.connects < 3:
             cause = f"the probe failed from {who}: {pair.error}"
-            if run.path is PathClass.DIRECT:
-                cause += _mtu_hint(member, peer)
+            if run.path is PathClass.DIRECT and pair.connects >= 3 and _above(member, peer):
+                # Connected, then stalled, with packets larger than any network is sure to
+                # carry: the next epoch tries 1280 before the pair is kept apart.
+                cause += f" (their devices' MTU: {member.mtu or '?'} and {peer.mtu or '?'})"
+                _fence(turn, cause, [], "ProbeFailed", mtu=MESH_MTU)
+                return
             _fence(turn, cause, [(member.node, pair.node)], "ProbeFailed")
             return
         if run.path is PathClass.DIRECT and pair.via is not None and pair.via != event.device:
@@ -342,16 +347,11 @@ def _probe_done(turn: _Turn, event: ProbeDone) -> None:
         _next_probe_round(turn)
 
 
-def _mtu_hint(a: Member, b: Member) -> str:
-    """For a direct pair that failed its probe with a device above the 1280 that crosses any
-    network: what to try (a path that carries less than its links say, dropping the ICMP
-    that would tell, passes a handshake and stalls a transfer)."""
-    if not any(m.mtu and m.mtu > MESH_MTU for m in (a, b)):
-        return ""
-    return (
-        f" (their devices' MTU: {a.mtu or '?'} and {b.mtu or '?'}; if the path between them "
-        f"carries less than their links say, start their agents with --direct-mtu {MESH_MTU})"
-    )
+def _above(a: Member, b: Member) -> bool:
+    """Either device of the pair is above the 1280 that crosses any network: a path that
+    carries less than its links say (PPPoE, a tunnel underneath), dropping the ICMP that
+    would tell, passes a handshake and connections, and stalls a transfer."""
+    return any(m.mtu and m.mtu > MESH_MTU for m in (a, b))
 
 
 def _probe_passed(turn: _Turn) -> None:
@@ -1074,12 +1074,19 @@ def _with_everyone(run: GangRun, node: int) -> list[tuple[int, int]]:
 
 
 def _fence(
-    turn: _Turn, cause: str, pairs: list[tuple[int, int]], reason: str, *, network: bool = True
+    turn: _Turn,
+    cause: str,
+    pairs: list[tuple[int, int]],
+    reason: str,
+    *,
+    network: bool = True,
+    mtu: int | None = None,
 ) -> None:
     """This epoch's network failed before any rank started: fence the epoch (every device
     and probe endpoint comes down, the workers go back) and queue the job again, with the
-    failed pairs kept apart on this path. Not billed: nothing of the user's ran. After
-    MAX_NETWORK_EPOCHS such epochs, or once a member was assigned, the job fails."""
+    failed pairs kept apart on this path, or (``mtu``) its direct gangs' packets made that
+    small. Not billed: nothing of the user's ran. After MAX_NETWORK_EPOCHS such epochs, or
+    once a member was assigned, the job fails."""
     run = turn.run
     if run.is_over:
         return
@@ -1102,18 +1109,19 @@ def _fence(
         more = f" (and {len(kept) - 4} more pairs)" if len(kept) > 4 else ""
         again += f", keeping {shown}{more} apart on the {path.value} path"
         turn.emit(KeepApart(path, tuple((a, b) for a, b in kept)))
+    data: dict[str, object] = {
+        "epoch": run.epoch,
+        "path": path.value,
+        "reason": reason,
+        "apart": [[a, b] for a, b in kept],
+    }
+    if mtu is not None:  # (the event is what a restarted controller places by)
+        again += f" with MTU {mtu} (a --direct-mtu {mtu} on these hosts' agents says it at once)"
+        data["mtu"] = mtu
+        turn.emit(SmallerPackets(mtu))
     turn.emit(
         SetCondition("GangReady", False, reason, again),
-        RecordEvent(
-            "EpochFenced",
-            again,
-            {
-                "epoch": run.epoch,
-                "path": path.value,
-                "reason": reason,
-                "apart": [[a, b] for a, b in kept],
-            },
-        ),
+        RecordEvent("EpochFenced", again, data),
     )
     _stop_members(turn, cause)
     turn.set_job(JobState.QUEUED, again)

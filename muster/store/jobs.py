@@ -163,6 +163,23 @@ class JobRepository(Repository):
                     found.setdefault(str(job_id), []).append((path, str(pair[0]), str(pair[1])))
         return found
 
+    def packets_capped(self) -> dict[str, int]:
+        """For each job not yet over whose fenced epochs made its direct packets smaller
+        (EpochFenced with an ``mtu``), the smallest: what a restarted controller offers."""
+        over = [state.value for state in JobState if state.is_terminal]
+        with self.db.read() as s:
+            rows = s.execute(
+                select(Event.job_id, Event.data)
+                .join(Job, Job.id == Event.job_id)
+                .where(Event.kind == "EpochFenced", Job.state.not_in(over))
+            ).all()
+        found: dict[str, int] = {}
+        for job_id, data in rows:
+            mtu = data.get("mtu") if isinstance(data, dict) else None
+            if isinstance(mtu, int) and not isinstance(mtu, bool):
+                found[str(job_id)] = min(mtu, found.get(str(job_id), mtu))
+        return found
+
     def job_spec(self, job: Job) -> JobSpec:
         return JobSpec.model_validate(job.spec, strict=False)
 

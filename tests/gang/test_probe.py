@@ -20,6 +20,7 @@ from muster.gang import (
     SendStop,
     SetCondition,
     SetJobState,
+    SmallerPackets,
     Tick,
     step,
 )
@@ -224,28 +225,44 @@ def test_the_direct_path_is_the_members_own_device_whatever_its_name() -> None:
     assert run.fenced
 
 
-def test_a_direct_pair_at_a_larger_mtu_that_fails_its_probe_is_told_what_to_try() -> None:
-    """Devices above 1280 (hosts in one declared region) over a path that carries less than
-    its links say: the handshake passes, the transfer stalls. The fence names the MTUs and
-    the flag; at 1280 there is nothing of the kind to say."""
+def _direct_pair_probed(
+    mtus: tuple[int | None, int | None], bad: ProbePair
+) -> tuple[GangRun, tuple[object, ...]]:
     placed = Placed("job1", 1, W[:2], PathClass.DIRECT, probe_seconds=1.0)
-    bad = ProbePair(1, 3, error="sample stalled: 0 bytes in 5 s")
-    for mtus, hinted in (((1420, 1380), True), ((1280, 1280), False), ((None, None), False)):
-        run, _ = step(GangRun(), placed, 0)
-        for node in (0, 1):
-            ready = NetReady(node, f"k{node}=", f"10.0.0.{node + 1}:1", mtu=mtus[node])
-            run, _ = step(run, ready, 0)
-        run, _ = step(run, NetUp(0), 0)
-        run, _ = step(run, NetUp(1), 0)
-        run, _ = step(run, ProbeReady(0, 40000), 1)
-        run, _ = step(run, ProbeReady(1, 40001), 1)
-        run, actions = step(run, ProbeDone(0, (bad,)), 2)
-        assert isinstance(actions[0], SetCondition)
-        assert actions[0].reason == "ProbeFailed"
-        hint = (
-            " (their devices' MTU: 1420 and 1380; if the path between them carries less "
-            "than their links say, start their agents with --direct-mtu 1280)"
-        )
-        assert actions[0].message.endswith(hint) is hinted, actions[0].message
-        assert "sample stalled" in actions[0].message
-        assert run.fenced
+    run, _ = step(GangRun(), placed, 0)
+    for node in (0, 1):
+        run, _ = step(run, NetReady(node, f"k{node}=", f"10.0.0.{node + 1}:1", mtu=mtus[node]), 0)
+    run, _ = step(run, NetUp(0), 0)
+    run, _ = step(run, NetUp(1), 0)
+    run, _ = step(run, ProbeReady(0, 40000), 1)
+    run, _ = step(run, ProbeReady(1, 40001), 1)
+    return step(run, ProbeDone(0, (bad,)), 2)
+
+
+def test_a_direct_pair_above_1280_that_connects_then_stalls_is_placed_again_with_1280() -> None:
+    """Devices above 1280 (hosts in one declared region) over a path that carries less than
+    its links say: the handshake and the connections pass, the transfer stalls. The next
+    epoch tries 1280 for the job's direct gangs before any pair is kept apart."""
+    stalled = ProbePair(1, 3, error="measuring 100.64.0.2:40001: TimeoutError('timed out')")
+    run, actions = _direct_pair_probed((1420, 1380), stalled)
+    assert run.fenced
+    assert SmallerPackets(1280) in actions
+    assert not [a for a in actions if isinstance(a, KeepApart)]
+    fenced = next(a for a in actions if isinstance(a, RecordEvent) and a.kind == "EpochFenced")
+    assert fenced.data["mtu"] == 1280
+    assert fenced.data["apart"] == []
+    assert "(their devices' MTU: 1420 and 1380)" in fenced.message
+    assert fenced.message.endswith(
+        "placing the gang again with MTU 1280 (a --direct-mtu 1280 on these hosts' agents "
+        "says it at once)"
+    ), fenced.message
+    # At 1280 already (the next epoch), or an agent that said no MTU: the pair is kept apart.
+    for mtus in ((1280, 1280), (None, None)):
+        run, actions = _direct_pair_probed(mtus, stalled)
+        assert KeepApart(PathClass.DIRECT, (("w0", "w1"),)) in actions, mtus
+        assert not [a for a in actions if isinstance(a, SmallerPackets)]
+    # No connection at all is no packet size's doing: kept apart at once.
+    refused = ProbePair(1, 0, error="0 of 3 connections to 100.64.0.2:40001 in 1s (refused)")
+    _, actions = _direct_pair_probed((1420, 1420), refused)
+    assert KeepApart(PathClass.DIRECT, (("w0", "w1"),)) in actions
+    assert not [a for a in actions if isinstance(a, SmallerPackets)]

@@ -157,6 +157,56 @@ def test_hosts_in_one_declared_region_use_wireguards_larger_packets(
     wait_no_device_left(rig, (h1, h2, h3))
 
 
+def test_a_region_whose_path_carries_less_than_its_links_say_is_placed_again_at_1280(
+    rig: Rig, tmp_path: Path
+) -> None:
+    """Two hosts in one declared region take 1420-byte devices, but the router between them
+    silently drops what is larger than 1400 bytes (a tunnel underneath, ICMP filtered): the
+    handshake and the probe's connections pass, its transfer stalls. The epoch is fenced
+    and the next one runs at 1280, with nobody kept apart."""
+    needs("wg", "wireguard-go", "nft")
+    h1, h2 = rig.two_regions(2)
+    rig.nft(
+        rig.hosts["r1"],
+        "table ip rig_narrow {\n"
+        "  chain forward { type filter hook forward priority -10;\n"
+        "    meta l4proto udp meta length > 1400 drop; }\n"
+        "}\n",
+    )
+    ctl = rig.hosts["ctl"]
+    rig.start_controller(ctl)
+    for host in (h1, h2):
+        rig.start_agent(host, "--provider", "rig", "--region", "lab-1")
+    rig.wait_for_workers(["h1", "h2"])
+    job_dir = tmp_path / "narrow"
+    job_dir.mkdir()
+    (job_dir / "train.py").write_text(
+        ENV_PROBE.replace("ones(1)", "ones(2**20)").replace("int(t.item())", "int(t[0].item())")
+    )
+    (job_dir / "job.yaml").write_text(
+        "name: narrow\nentrypoint: train.py\ntimeout: 5m\ndistributed: {num_workers: 2, "
+        "procs_per_worker: 1, backend: gloo, probe_seconds: 2}\n"
+    )
+    job_id = rig.muster(ctl, "submit", str(job_dir / "job.yaml")).strip()
+    job = rig.wait_done(job_id)
+    assert job["state"] == "succeeded", (job["root_cause"], job["events"])
+    assert job["path_class"] == "direct"
+    events = job["events"]
+    readies = [e["data"]["mtu"] for e in events if e["kind"] == "NetworkReady"]
+    assert readies == [[1420, 1420], [1280, 1280]], events
+    (fenced,) = [e for e in events if e["kind"] == "EpochFenced"]
+    assert fenced["data"]["mtu"] == 1280, fenced
+    assert fenced["data"]["apart"] == [], fenced
+    assert "(their devices' MTU: 1420 and 1420)" in fenced["message"], fenced
+    lines = rig.api("logs", job_id)["lines"]
+    assert {ln["text"].rpartition("mtu=")[2] for ln in lines if ln["text"].startswith("env ")} == {
+        "1280"
+    }, lines
+    sums = [ln["text"] for ln in lines if ln["text"].startswith("sum=")]
+    assert sums == ["sum=3 expected=3"] * 2, lines
+    wait_no_device_left(rig, (h1, h2))
+
+
 def test_a_container_only_host_is_never_placed_on_the_direct_path(rig: Rig, tmp_path: Path) -> None:
     """It reports that it cannot make a device; a gang that only the direct path could
     carry waits with the reason instead of failing on it."""

@@ -546,3 +546,17 @@ def test_times_read_the_same_in_the_listing_and_the_detail_whatever_the_server_t
         assert detail["submitted_at"].endswith("+00:00"), detail["submitted_at"]
     finally:
         store.db.dispose()
+
+
+def test_what_fenced_epochs_asked_of_a_job_is_read_back_until_it_ends(store: Store) -> None:
+    """A restarted controller places by the EpochFenced events of the jobs not over: the
+    pairs kept apart, and the smallest MTU their direct gangs were cut to."""
+    shrunk, ended, plain = (store.submit_job(gang(2, 1)) for _ in range(3))
+    fenced = {"epoch": 1, "path": "direct", "reason": "ProbeFailed"}
+    store.record_event("EpochFenced", "m", job=shrunk.id, data={**fenced, "apart": [], "mtu": 1280})
+    store.record_event("EpochFenced", "m", job=shrunk.id, data={**fenced, "apart": [["a", "b"]]})
+    store.record_event("EpochFenced", "m", job=ended.id, data={**fenced, "apart": [], "mtu": 1280})
+    store.record_event("EpochFenced", "m", job=plain.id, data={**fenced, "apart": [], "mtu": "x"})
+    store.set_job_state(ended.id, JobState.CANCELLED, "by a test")
+    assert store.packets_capped() == {shrunk.id: 1280}
+    assert store.kept_apart() == {shrunk.id: [("direct", "a", "b")]}
