@@ -51,6 +51,12 @@ READINESS_MAX_ATTEMPTS = 8
 PROBE_MARK = 0x6D757374
 READINESS_CONNECTIONS = 3
 ECHO_ROUNDS = 10
+# Then one echo of this many bytes: segments of the path's full size, both ways. A path that
+# carries less than its links say (a tunnel underneath, its ICMP dropped) passes the
+# handshake, the connections and the 1-byte rounds, and loses these: the pair fails here
+# even with no throughput sample (probe_seconds 0), instead of the job's first collective
+# hanging on it.
+FULL_ECHO = 16 * 1024
 CHUNK = 1024 * 1024  # per send and receive call of a throughput sample
 # A sample ends early once its rate holds, after at least MIN_SAMPLE_S: the last
 # STEADY_WINDOWS windows of WINDOW_S each within STEADY_SPREAD of their mean (a quiet link,
@@ -151,7 +157,7 @@ class ProbeListener:
                 self.refused += 1
                 return
         if kind == b"e":
-            while data := await reader.read(1):
+            while data := await reader.read(FULL_ECHO):  # (a byte a round, then FULL_ECHO)
                 writer.write(data)
                 await writer.drain()
         elif kind == b"t":
@@ -320,6 +326,15 @@ async def _echo(address: str, port: int, token: bytes) -> float:
             await writer.drain()
             await asyncio.wait_for(reader.readexactly(1), CONNECT_TIMEOUT_S)
             rounds.append(time.perf_counter() - start)
+        writer.write(b"x" * FULL_ECHO)
+        await writer.drain()
+        try:
+            await asyncio.wait_for(reader.readexactly(FULL_ECHO), CONNECT_TIMEOUT_S)
+        except TimeoutError:
+            raise TimeoutError(
+                f"{FULL_ECHO // 1024} KiB did not come back within {CONNECT_TIMEOUT_S:g}s "
+                "where single bytes did: packets of the path's full size are lost"
+            ) from None
         return statistics.median(rounds)
     finally:
         writer.close()

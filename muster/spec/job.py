@@ -154,8 +154,8 @@ class Distributed(_Model):
         ge=0,
         le=60,
         description="the longest throughput sample per pair before the command starts; a "
-        "sample ends sooner once its rate holds steady (0: readiness and RTT only; null: no "
-        "probe)",
+        "sample ends sooner once its rate holds steady (0: readiness, RTT and a 16 KiB echo "
+        "only; null: no probe)",
     )
 
     @property

@@ -288,3 +288,42 @@ def test_a_sample_ends_once_its_rate_holds_and_never_past_its_bound() -> None:
         assert bounded < 4.0  # 0.5 s of sending, plus the connections and the echo
 
     asyncio.run(scenario())
+
+
+def test_a_path_that_loses_full_size_packets_fails_at_the_echo_even_without_a_sample(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A peer reached through a path that carries single bytes but loses full-size
+    segments (here: a listener that answers the 1-byte rounds and swallows anything
+    larger): the pair connects, its RTT is measured, and its 16 KiB echo never comes back,
+    which fails the pair with probe_seconds 0 too."""
+    monkeypatch.setattr(probe, "CONNECT_TIMEOUT_S", 0.5)
+
+    async def narrow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        kind = await reader.read(1)
+        while kind == b"e" and (data := await reader.read(65536)):
+            if len(data) == 1:
+                writer.write(data)
+                await writer.drain()
+        writer.close()
+
+    async def scenario() -> None:
+        server = await asyncio.start_server(narrow, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            lost = await measure(1, "127.0.0.1", port, 0.0)
+        finally:
+            server.close()
+        assert lost.connects == 3
+        assert lost.error is not None
+        assert "16 KiB did not come back within 0.5s where single bytes did" in lost.error
+        listener = ProbeListener()  # the real listener echoes it whole
+        port = await listener.start("127.0.0.1")
+        try:
+            whole = await measure(1, "127.0.0.1", port, 0.0)
+        finally:
+            await listener.close()
+        assert whole.error is None, whole
+        assert whole.rtt_ms is not None
+
+    asyncio.run(scenario())

@@ -162,8 +162,9 @@ def test_a_region_whose_path_carries_less_than_its_links_say_is_placed_again_at_
 ) -> None:
     """Two hosts in one declared region take 1420-byte devices, but the router between them
     silently drops what is larger than 1400 bytes (a tunnel underneath, ICMP filtered): the
-    handshake and the probe's connections pass, its transfer stalls. The epoch is fenced
-    and the next one runs at 1280, with nobody kept apart."""
+    handshake, the probe's connections and its 1-byte echoes pass, its full-size echo is
+    lost, even with no throughput sample (probe_seconds 0). The epoch is fenced and the
+    next one runs at 1280, with nobody kept apart; the job's collectives never hang on it."""
     needs("wg", "wireguard-go", "nft")
     h1, h2 = rig.two_regions(2)
     rig.nft(
@@ -185,7 +186,7 @@ def test_a_region_whose_path_carries_less_than_its_links_say_is_placed_again_at_
     )
     (job_dir / "job.yaml").write_text(
         "name: narrow\nentrypoint: train.py\ntimeout: 5m\ndistributed: {num_workers: 2, "
-        "procs_per_worker: 1, backend: gloo, probe_seconds: 2}\n"
+        "procs_per_worker: 1, backend: gloo, probe_seconds: 0}\n"
     )
     job_id = rig.muster(ctl, "submit", str(job_dir / "job.yaml")).strip()
     job = rig.wait_done(job_id)
@@ -198,6 +199,7 @@ def test_a_region_whose_path_carries_less_than_its_links_say_is_placed_again_at_
     assert fenced["data"]["mtu"] == 1280, fenced
     assert fenced["data"]["apart"] == [], fenced
     assert "(their devices' MTU: 1420 and 1420)" in fenced["message"], fenced
+    assert "16 KiB did not come back" in fenced["message"], fenced
     lines = rig.api("logs", job_id)["lines"]
     assert {ln["text"].rpartition("mtu=")[2] for ln in lines if ln["text"].startswith("env ")} == {
         "1280"
