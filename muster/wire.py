@@ -93,10 +93,13 @@ class Kind(IntEnum):
     LOGS_ACK = 31  # C->A, batch stored: {job, batch}
     ERROR = 40  # C->A, the controller refuses something: {message}
     # The direct path (muster.net), before the rendezvous; the agent makes the device:
-    # C->A: {job, epoch, node_rank, address, prefix}: a fresh key and device muster0
+    # C->A: {job, epoch, node_rank, address, prefix, mtu, join_key}: a fresh key and a
+    # device (muster0) of at most mtu; join_key comes back once in NET_READY (relayed path:
+    # {job, epoch, node_rank, path: "relayed", join_key, ...})
     NET_SETUP = 50
-    # A->C: {job, epoch, node_rank, public_key, port} (the device listens on UDP port), or
-    # {job, epoch, node_rank, error} when it could not be made
+    # A->C: {job, epoch, node_rank, public_key, port, mtu, join_key, public?: {addr, port}}
+    # (the device listens on UDP port, took mtu, and the reflector saw it as public), or
+    # {job, epoch, node_rank, error, silent?: [mesh address]} when it could not be made
     NET_READY = 51
     # C->A: {job, epoch, node_rank, peers: [{public_key, endpoint, address}]}
     NET_PEERS = 52

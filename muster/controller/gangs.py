@@ -83,6 +83,7 @@ from muster.net.relaywire import issue_ticket
 from muster.plan import (
     MESH_GANGS,
     MESH_MAX_NODES,
+    MESH_MTU,
     MESH_MTU_REGION,
     MESH_PREFIX,
     gang_addressing,
@@ -321,15 +322,16 @@ class Controller:
             elif isinstance(action, SendNetSetup):
                 if entry.join_keys is None or entry.join_keys.epoch != epoch:
                     entry.join_keys = JoinKeys(epoch)
+                cap = self._packets.get(job)
+                offered = mesh_mtu(entry.inventories)
+                entry.offered_mtu = offered if cap is None else min(offered, cap)
                 setup = {
                     "job": job,
                     "epoch": epoch,
                     "node_rank": action.node,
                     "address": mesh_address(action.node, entry.mesh),
                     "prefix": MESH_PREFIX,
-                    "mtu": min(
-                        mesh_mtu(entry.inventories), self._packets.get(job, MESH_MTU_REGION)
-                    ),
+                    "mtu": entry.offered_mtu,
                     "join_key": entry.join_keys.issue(action.node),
                 }
                 await send(action.worker, Kind.NET_SETUP, setup)
@@ -745,11 +747,12 @@ class Controller:
     async def restore_runs(self) -> None:
         """Rebuild the runs of jobs caught mid-run and hold them for the grace; a job whose
         spec no longer validates fails at once."""
-        for job_id, pairs in (await self.db(self.store.kept_apart)).items():
+        apart, packets = await self.db(self.store.fenced_epochs)
+        for job_id, pairs in apart.items():
             for path, a, b in pairs:
                 with contextlib.suppress(ValueError):  # a path this version does not know
                     self._keep_apart(job_id, PathClass(path), [(a, b)])
-        self._packets.update(await self.db(self.store.packets_capped))
+        self._packets.update(packets)
         records = await self.db(self.store.active_runs)
         if not records:
             return
@@ -767,6 +770,7 @@ class Controller:
                         JobState.FAILED,
                         f"the controller restarted and could not rebuild the run: {exc}",
                     )
+                    self._forget_fences(job_id)
                     continue
                 self.runs[job_id] = entry
                 self.logs.note_senders(job_id, [m.worker_id for m in rec.members])
@@ -975,9 +979,14 @@ class Controller:
         if not _is_wg_key(key) or not 0 < port < 65536 or not host:
             return NetReady(node, error=f"a malformed NET_READY (key {key[:8]!r}, port {port})")
         endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        mtu = body.get("mtu")  # (an older agent says none; a bogus one is not repeated)
-        fits = isinstance(mtu, int) and not isinstance(mtu, bool) and 576 <= mtu <= 65535
-        return NetReady(node, key, endpoint, mtu=mtu if fits else None)
+        # The MTU it took: at most what this epoch offered, at least 1280 (an older agent
+        # says none; anything else is not believed: it decides whether a stalled pair is
+        # tried again with smaller packets or kept apart, so it must not outlast the offer).
+        mtu = body.get("mtu")
+        took = None
+        if isinstance(mtu, int) and not isinstance(mtu, bool):
+            took = mtu if MESH_MTU <= mtu <= (entry.offered_mtu or MESH_MTU_REGION) else None
+        return NetReady(node, key, endpoint, mtu=took)
 
     def _relay_list(self, entry: RunEntry, node: int) -> list[dict[str, Any]]:
         """The relays with single-use tickets admitting member ``node`` of the run's gang to

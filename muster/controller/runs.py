@@ -65,6 +65,7 @@ class RunEntry:
     addressing: GangAddressing | None = None
     mesh: int = 0  # the direct path's mesh gang index (muster.plan.mesh_address)
     join_keys: JoinKeys | None = None  # the epoch's, issued with its NET_SETUPs
+    offered_mtu: int = 0  # the direct path's MTU its NET_SETUPs offered (0: none sent yet)
     # The epoch's probe token: a probe endpoint answers only connections that bring it.
     probe_token: str = field(default_factory=lambda: secrets.token_hex(16))
 

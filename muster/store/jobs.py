@@ -142,9 +142,10 @@ class JobRepository(Repository):
             rows = s.execute(select(Job.state, func.count()).group_by(Job.state)).all()
             return {str(state): int(n) for state, n in rows}
 
-    def kept_apart(self) -> dict[str, list[tuple[str, str, str]]]:
-        """For each job not yet over, the (path, worker, worker) pairs its fenced epochs
-        keep apart (their EpochFenced events): what a restarted controller places by."""
+    def fenced_epochs(self) -> tuple[dict[str, list[tuple[str, str, str]]], dict[str, int]]:
+        """What the fenced epochs of each job not yet over ask of its next gangs (their
+        EpochFenced events), as a restarted controller places by: the (path, worker,
+        worker) pairs kept apart, and the smallest MTU its direct gangs were cut to."""
         over = [state.value for state in JobState if state.is_terminal]
         with self.db.read() as s:
             rows = s.execute(
@@ -153,32 +154,19 @@ class JobRepository(Repository):
                 .where(Event.kind == "EpochFenced", Job.state.not_in(over))
                 .order_by(Event.id)
             ).all()
-        found: dict[str, list[tuple[str, str, str]]] = {}
+        apart: dict[str, list[tuple[str, str, str]]] = {}
+        packets: dict[str, int] = {}
         for job_id, data in rows:
             if not isinstance(data, dict):
                 continue
             path = str(data.get("path") or "")
             for pair in data.get("apart") or ():
                 if isinstance(pair, list) and len(pair) == 2:
-                    found.setdefault(str(job_id), []).append((path, str(pair[0]), str(pair[1])))
-        return found
-
-    def packets_capped(self) -> dict[str, int]:
-        """For each job not yet over whose fenced epochs made its direct packets smaller
-        (EpochFenced with an ``mtu``), the smallest: what a restarted controller offers."""
-        over = [state.value for state in JobState if state.is_terminal]
-        with self.db.read() as s:
-            rows = s.execute(
-                select(Event.job_id, Event.data)
-                .join(Job, Job.id == Event.job_id)
-                .where(Event.kind == "EpochFenced", Job.state.not_in(over))
-            ).all()
-        found: dict[str, int] = {}
-        for job_id, data in rows:
-            mtu = data.get("mtu") if isinstance(data, dict) else None
-            if isinstance(mtu, int) and not isinstance(mtu, bool):
-                found[str(job_id)] = min(mtu, found.get(str(job_id), mtu))
-        return found
+                    apart.setdefault(str(job_id), []).append((path, str(pair[0]), str(pair[1])))
+            mtu = data.get("mtu")
+            if isinstance(mtu, int) and not isinstance(mtu, bool) and mtu >= 1280:
+                packets[str(job_id)] = min(mtu, packets.get(str(job_id), mtu))
+        return apart, packets
 
     def job_spec(self, job: Job) -> JobSpec:
         return JobSpec.model_validate(job.spec, strict=False)

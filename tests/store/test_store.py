@@ -557,6 +557,6 @@ def test_what_fenced_epochs_asked_of_a_job_is_read_back_until_it_ends(store: Sto
     store.record_event("EpochFenced", "m", job=shrunk.id, data={**fenced, "apart": [["a", "b"]]})
     store.record_event("EpochFenced", "m", job=ended.id, data={**fenced, "apart": [], "mtu": 1280})
     store.record_event("EpochFenced", "m", job=plain.id, data={**fenced, "apart": [], "mtu": "x"})
+    store.record_event("EpochFenced", "m", job=plain.id, data={**fenced, "apart": [], "mtu": 9})
     store.set_job_state(ended.id, JobState.CANCELLED, "by a test")
-    assert store.packets_capped() == {shrunk.id: 1280}
-    assert store.kept_apart() == {shrunk.id: [("direct", "a", "b")]}
+    assert store.fenced_epochs() == ({shrunk.id: [("direct", "a", "b")]}, {shrunk.id: 1280})

@@ -27,8 +27,8 @@ def test_the_hetero_example_trains_under_torchrun(
     # The fast rank ranged ahead of the slowed one (in lockstep both would run the same count).
     # A batch here is about a millisecond of compute, so a busy runner's scheduling noise is as
     # large as the slowdown's sleep: at k=3 two ranks sharing 2 busy cores ran 57 and 39
-    # batches (CI, 1.46x). At k=5 the same load leaves 3.4x or more, but once (under a
-    # parallel suite) under 2x: 1.5x is clear of lockstep (1x) and of that noise.
+    # batches (CI, 1.46x, at k=3). At k=5 the same load leaves 3.4x or more, but once (under
+    # a parallel suite) under 2x: 1.5x is still half way from lockstep (1x) to that.
     # Both ranks share torchrun's stdout, so a line may arrive glued to another rank's.
     ran = {int(r): int(n) for r, n in re.findall(r"rank (\d+) ran (\d+) batches", out)}
     assert ran[0] > 1.5 * ran[1], ran

@@ -47,41 +47,44 @@ def nodes(
     once ranks 0..survivors-1 (or ``expect``) wrote their results; a node still running then
     is stopped (None): torchrun's agent waits in its exit barrier (300 s, not settable from
     its command line) for a node whose agent is gone."""
-    # (MUSTER_TRAIN_DEBUG: each collective entered and left, in the node logs tails() shows)
+    # MUSTER_TRAIN_DEBUG: each collective entered and left, in the node logs tails() shows
+    # when the survivors never finish. Always on, so a rare hang in CI says where it waits;
+    # the traced path is the same code plus a line on stderr per collective.
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), MUSTER_TRAIN_DEBUG="1")
     port = free_port()
     logs = [(out / f"node{i}.log").open("wb") for i in range(len(per_node))]
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes",
-                str(len(per_node)),
-                "--node-rank",
-                str(i),
-                "--nproc-per-node",
-                str(n),
-                "--max-restarts=0",
-                "--master-addr",
-                "127.0.0.1",
-                "--master-port",
-                str(port),
-                str(worker),
-                str(out),
-                scenario,
-                *args,
-            ],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=logs[i],
-        )
-        for i, n in enumerate(per_node)
-    ]
+    procs: list[subprocess.Popen[bytes]] = []
     deadline = time.monotonic() + timeout
     expect = expect if expect is not None else list(range(survivors))
     try:
+        for i, n in enumerate(per_node):  # (one by one: a failed start leaves none behind)
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "torch.distributed.run",
+                        "--nnodes",
+                        str(len(per_node)),
+                        "--node-rank",
+                        str(i),
+                        "--nproc-per-node",
+                        str(n),
+                        "--max-restarts=0",
+                        "--master-addr",
+                        "127.0.0.1",
+                        "--master-port",
+                        str(port),
+                        str(worker),
+                        str(out),
+                        scenario,
+                        *args,
+                    ],
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=logs[i],
+                )
+            )
         while not all((out / f"rank{r}.json").exists() for r in expect):
             assert time.monotonic() < deadline, f"the survivors never finished:\n{tails(out)}"
             assert any(p.poll() is None for p in procs), ([p.returncode for p in procs], tails(out))

@@ -1,0 +1,118 @@
+"""The direct path's MTU as the controller offers it: the gang's size, then 1280 once a pair
+above it stalled, also after a restart; an agent's report is believed only within the offer."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from muster.controller.auth import Tickets
+from muster.controller.gangs import Controller
+from muster.controller.metrics import Metrics
+from muster.controller.runs import RunEntry
+from muster.gang import GangRun, Placed
+from muster.spec import JobSpec, JobState, NetworkCaps, PathClass, WorkerInventory
+from muster.store import Store, open_store
+from muster.wire import Kind
+from tests.fakes.link import FakeLink
+
+WORKERS = ("w0", "w1")
+
+
+def a_region(tmp_path: Path) -> tuple[Store, str]:
+    """Two workers that declared one provider region (their gangs are offered 1420), and a
+    2-node job reserved on them."""
+    store = open_store(str(tmp_path / "muster.db"))
+    for n, wid in enumerate(WORKERS):
+        store.upsert_worker(
+            WorkerInventory(
+                id=wid,
+                hostname=wid,
+                advertise_address=f"10.0.0.{n + 1}",
+                torch_version="2.13.0",
+                torchrun=True,
+                backends=["gloo"],
+                network=NetworkCaps(can_create_device=True),
+                provider="aws",
+                region="us-east-1",
+            )
+        )
+    job = store.submit_job(
+        {
+            "name": "mtu",
+            "entrypoint": "t.py",
+            "distributed": {"num_workers": 2, "procs_per_worker": 1, "backend": "gloo"},
+        }
+    )
+    store.reserve_placement(job.id, list(WORKERS), "direct")
+    return store, job.id
+
+
+async def placed(
+    controller: Controller, store: Store, job: str, epoch: int
+) -> tuple[RunEntry, dict[str, FakeLink]]:
+    links = {w: FakeLink(w) for w in WORKERS}
+    controller.links.update(links)  # type: ignore[arg-type]
+    spec = JobSpec.model_validate(store.job(job).spec, strict=False)
+    views = {v.inventory.id: v.inventory for v in store.workers()}
+    entry = RunEntry(GangRun(), spec, [views[w] for w in WORKERS], None)
+    controller.runs[job] = entry
+    await controller._step(entry, Placed(job, epoch, WORKERS, PathClass.DIRECT, probe_seconds=1.0))
+    return entry, links
+
+
+def offered(links: dict[str, FakeLink]) -> list[Any]:
+    return [body["mtu"] for link in links.values() for k, body in link.sent if k is Kind.NET_SETUP]
+
+
+def test_a_stalled_pair_makes_the_jobs_next_gangs_offer_1280_also_after_a_restart(
+    tmp_path: Path,
+) -> None:
+    store, job = a_region(tmp_path)
+
+    async def first_epochs() -> list[Any]:
+        controller = Controller(store, Metrics(), 15.0, Tickets())
+        writer = asyncio.create_task(controller.writer.run())
+        entry, links = await placed(controller, store, job, 1)
+        assert offered(links) == [1420, 1420]
+        keys = {w: b["join_key"] for w, link in links.items() for k, b in link.sent
+                if k is Kind.NET_SETUP}  # fmt: skip
+        ids = {"job": job, "epoch": 1}
+        key = {"public_key": "A" * 43 + "=", "port": 51820}
+        # w0 claims a device larger than it was offered: not believed (no MTU at all)
+        for n, (wid, mtu) in enumerate((("w0", 9000), ("w1", 1420))):
+            body = {**ids, **key, "node_rank": n, "join_key": keys[wid], "mtu": mtu}
+            await controller._member_frame(links[wid], Kind.NET_READY, body)  # type: ignore[arg-type]
+        assert [m.mtu for m in entry.gang.members] == [None, 1420]
+        for n, wid in enumerate(WORKERS):
+            await controller._member_frame(links[wid], Kind.NET_UP, {**ids, "node_rank": n})  # type: ignore[arg-type]
+        for n, wid in enumerate(WORKERS):
+            ready = {**ids, "node_rank": n, "port": 40000 + n}
+            await controller._member_frame(links[wid], Kind.PROBE_READY, ready)  # type: ignore[arg-type]
+        stalled = {"node": 1, "connects": 3, "error": "measuring: TimeoutError('16 KiB ...')"}
+        done = {**ids, "node_rank": 0, "pairs": [stalled], "device": "muster0"}
+        await controller._member_frame(links["w0"], Kind.PROBE_DONE, done)  # type: ignore[arg-type]
+        await controller.writer.drain()
+        assert entry.gang.fenced
+        fenced = next(e for e in store.events(job) if e.kind == "EpochFenced")
+        assert fenced.data["mtu"] == 1280, fenced.data
+        assert fenced.data["apart"] == []  # (not kept apart: tried again, smaller)
+        assert store.job(job).state == JobState.QUEUED
+        store.reserve_placement(job, list(WORKERS), "direct")
+        _entry, links = await placed(controller, store, job, 2)
+        await controller.writer.drain()
+        writer.cancel()
+        return offered(links)
+
+    assert asyncio.run(first_epochs()) == [1280, 1280]
+
+    async def restarted() -> dict[str, int]:
+        controller = Controller(store, Metrics(), 15.0, Tickets())
+        await controller.restore_runs()  # what a restarted controller places by
+        return controller._packets
+
+    assert asyncio.run(restarted()) == {job: 1280}
+    store.set_job_state(job, JobState.CANCELLED, "by the test")
+    assert asyncio.run(restarted()) == {}  # (a job over asks nothing of its next gangs)
+    store.db.dispose()
