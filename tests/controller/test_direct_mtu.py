@@ -12,9 +12,10 @@ from muster.controller.gangs import Controller
 from muster.controller.metrics import Metrics
 from muster.controller.runs import RunEntry
 from muster.gang import GangRun, Placed
-from muster.spec import JobSpec, JobState, NetworkCaps, PathClass, WorkerInventory
-from muster.store import Store, open_store
+from muster.spec import JobSpec, JobState, PathClass
+from muster.store import Store
 from muster.wire import Kind
+from tests.controller.helpers import store_with_workers
 from tests.fakes.link import FakeLink
 
 WORKERS = ("w0", "w1")
@@ -23,21 +24,7 @@ WORKERS = ("w0", "w1")
 def a_region(tmp_path: Path) -> tuple[Store, str]:
     """Two workers that declared one provider region (their gangs are offered 1420), and a
     2-node job reserved on them."""
-    store = open_store(str(tmp_path / "muster.db"))
-    for n, wid in enumerate(WORKERS):
-        store.upsert_worker(
-            WorkerInventory(
-                id=wid,
-                hostname=wid,
-                advertise_address=f"10.0.0.{n + 1}",
-                torch_version="2.13.0",
-                torchrun=True,
-                backends=["gloo"],
-                network=NetworkCaps(can_create_device=True),
-                provider="aws",
-                region="us-east-1",
-            )
-        )
+    store = store_with_workers(tmp_path, WORKERS, provider="aws", region="us-east-1")
     job = store.submit_job(
         {
             "name": "mtu",

@@ -9,29 +9,17 @@ from pathlib import Path
 from muster.controller.auth import Tickets
 from muster.controller.gangs import Controller
 from muster.controller.metrics import Metrics
-from muster.spec import NetworkCaps, PathClass, WorkerInventory
-from muster.store import Store, open_store
+from muster.spec import PathClass
+from muster.store import Store
 from muster.wire import Kind
+from tests.controller.helpers import store_with_workers
 from tests.fakes.link import FakeLink
 
 WORKERS = ("w0", "w1", "w2")
 
 
 def _store(tmp_path: Path) -> Store:
-    store = open_store(str(tmp_path / "muster.db"))
-    for i, wid in enumerate(WORKERS):
-        store.upsert_worker(
-            WorkerInventory(
-                id=wid,
-                hostname=wid,
-                advertise_address=f"10.0.0.{i + 1}",
-                torch_version="2.13.0",
-                torchrun=True,
-                backends=["gloo"],
-                network=NetworkCaps(can_create_device=True),
-            )
-        )
-    return store
+    return store_with_workers(tmp_path, WORKERS)
 
 
 def _states(store: Store) -> dict[str, str]:

@@ -10,9 +10,9 @@ from muster.controller.gangs import Controller
 from muster.controller.metrics import Metrics
 from muster.controller.runs import JOIN_KEY_TTL_S, JoinKeys, RunEntry
 from muster.gang import GangRun, Placed
-from muster.spec import JobSpec, NetworkCaps, PathClass, WorkerInventory
-from muster.store import open_store
+from muster.spec import JobSpec, PathClass
 from muster.wire import Kind
+from tests.controller.helpers import store_with_workers
 from tests.fakes.link import FakeLink
 
 
@@ -51,19 +51,7 @@ def test_a_key_issued_again_replaces_the_old_one() -> None:
 def test_a_reused_or_forged_join_key_is_refused_by_name_and_changes_nothing(
     tmp_path: Path,
 ) -> None:
-    store = open_store(str(tmp_path / "muster.db"))
-    for wid in ("w0", "w1"):
-        store.upsert_worker(
-            WorkerInventory(
-                id=wid,
-                hostname=wid,
-                advertise_address=f"10.0.0.{1 + int(wid[1])}",
-                torch_version="2.13.0",
-                torchrun=True,
-                backends=["gloo"],
-                network=NetworkCaps(can_create_device=True),
-            )
-        )
+    store = store_with_workers(tmp_path, ("w0", "w1"))
     job = store.submit_job(
         {
             "name": "keys",

@@ -34,6 +34,20 @@ os._exit(0)  # not the interpreter's teardown: gloo sometimes aborts there (torc
 """
 
 
+def wide_job(tmp_path: Path, name: str, distributed: str) -> str:
+    """A job file running ENV_PROBE with a 4 MiB all_reduce (full-size packets every way)
+    on ``distributed`` (the YAML mapping's body); its path."""
+    job_dir = tmp_path / name
+    job_dir.mkdir()
+    (job_dir / "train.py").write_text(
+        ENV_PROBE.replace("ones(1)", "ones(2**20)").replace("int(t.item())", "int(t[0].item())")
+    )
+    (job_dir / "job.yaml").write_text(
+        f"name: {name}\nentrypoint: train.py\ntimeout: 5m\ndistributed: {{{distributed}}}\n"
+    )
+    return str(job_dir / "job.yaml")
+
+
 def wait_no_device_left(rig: Rig, hosts: tuple[Host, ...], timeout: float = 15) -> None:
     """Until nothing of a gang's network is left on ``hosts`` (bounded)."""
     deadline = time.monotonic() + timeout
@@ -127,16 +141,10 @@ def test_hosts_in_one_declared_region_use_wireguards_larger_packets(
     assert (workers["h1"]["provider"], workers["h1"]["region"]) == ("rig", "lab-1"), workers
     table = rig.muster(ctl, "get", "workers")
     assert table.count("rig/lab-1") == 3, table
-    job_dir = tmp_path / "region"
-    job_dir.mkdir()
-    (job_dir / "train.py").write_text(
-        ENV_PROBE.replace("ones(1)", "ones(2**20)").replace("int(t.item())", "int(t[0].item())")
+    spec = (
+        "num_workers: 3, procs_per_worker: 1, backend: gloo, probe_seconds: 1, network: colocated"
     )
-    (job_dir / "job.yaml").write_text(
-        "name: region\nentrypoint: train.py\ntimeout: 5m\ndistributed: {num_workers: 3, "
-        "procs_per_worker: 1, backend: gloo, probe_seconds: 1, network: colocated}\n"
-    )
-    job_id = rig.muster(ctl, "submit", str(job_dir / "job.yaml")).strip()
+    job_id = rig.muster(ctl, "submit", wide_job(tmp_path, "region", spec)).strip()
     job = rig.wait_done(job_id)
     assert job["state"] == "succeeded", (job["root_cause"], job["events"])
     assert job["path_class"] == "direct"
@@ -179,16 +187,8 @@ def test_a_region_whose_path_carries_less_than_its_links_say_is_placed_again_at_
     for host in (h1, h2):
         rig.start_agent(host, "--provider", "rig", "--region", "lab-1")
     rig.wait_for_workers(["h1", "h2"])
-    job_dir = tmp_path / "narrow"
-    job_dir.mkdir()
-    (job_dir / "train.py").write_text(
-        ENV_PROBE.replace("ones(1)", "ones(2**20)").replace("int(t.item())", "int(t[0].item())")
-    )
-    (job_dir / "job.yaml").write_text(
-        "name: narrow\nentrypoint: train.py\ntimeout: 5m\ndistributed: {num_workers: 2, "
-        "procs_per_worker: 1, backend: gloo, probe_seconds: 0}\n"
-    )
-    job_id = rig.muster(ctl, "submit", str(job_dir / "job.yaml")).strip()
+    spec = "num_workers: 2, procs_per_worker: 1, backend: gloo, probe_seconds: 0"
+    job_id = rig.muster(ctl, "submit", wide_job(tmp_path, "narrow", spec)).strip()
     job = rig.wait_done(job_id)
     assert job["state"] == "succeeded", (job["root_cause"], job["events"])
     assert job["path_class"] == "direct"
