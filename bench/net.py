@@ -336,8 +336,10 @@ def main() -> None:
         # Interleaved (every arm once per round, the probe's samples too): this machine's
         # speed drifts over minutes, and a ratio of arms run minutes apart would measure it.
         runs: dict[str, list[float]] = {arm: [] for arm, _ in (*arms, *probes)}
-        for _ in range(IPERF_ROUNDS):
-            for arm, addr in arms:
+        for turn in range(IPERF_ROUNDS):
+            # Every other round in reverse order: an arm that always ran after another
+            # would also carry the drift between them.
+            for arm, addr in arms if turn % 2 == 0 else arms[::-1]:
                 runs[arm].append(iperf3(rig, a, addr, zerocopy=arm.endswith("-Z")))
             for arm, addr in probes:
                 runs[arm].append(probe_gbps(rig, a, b, addr, PROBE_SECONDS))
@@ -377,9 +379,12 @@ def main() -> None:
         direct = gloo(rig, (a, b), "100.64.0.1", "muster0", script)
         raw: list[dict[int, float]] = []
         private: list[dict[int, float]] = []
-        for i in range(GLOO_ROUNDS):
+        for i in range(GLOO_ROUNDS):  # (which arm goes first alternates, as above)
+            if i % 2:
+                private.append(muster_private(rig, ctl, Path(tmp), i))
             raw.append(gloo(rig, (a, b), a.address, "eth0", script))
-            private.append(muster_private(rig, ctl, Path(tmp), i))
+            if not i % 2:
+                private.append(muster_private(rig, ctl, Path(tmp), i))
         for mib in (4, 64):
             raw_ms = statistics.median(r[mib] for r in raw) * 1e3
             private_ms = statistics.median(p[mib] for p in private) * 1e3
