@@ -41,7 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from muster.gang.lifecycle import probe_rounds
+from muster.gang.network import probe_rounds
 from muster.plan import MESH_MTU, MESH_MTU_REGION
 from tests.net.rig import Host, Rig, missing_tools, why_unavailable
 
@@ -277,7 +277,7 @@ def probe_gbps(rig: Rig, a: Host, b: Host, address: str, seconds: float) -> floa
 
 def probe_gang_seconds(rig: Rig, hosts: list[Host], seconds: float) -> float:
     """A whole gang's probe as the controller runs it: every member listens, then the pairs
-    are measured in rounds of disjoint pairs (muster.gang.lifecycle.probe_rounds), each round
+    are measured in rounds of disjoint pairs (muster.gang.network.probe_rounds), each round
     once the last is done. Wall seconds from the first round to the end of the last."""
     listeners = [probe_listen(rig, h, h.address) for h in hosts]
     try:

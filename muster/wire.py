@@ -126,7 +126,7 @@ class Kind(IntEnum):
     # A->C, with hang_timeout set (muster.agent.hang): the member's ranks turned silent and
     # idle, or active again: {job, epoch, node_rank, hung, ranks: [first, last], silent_s}
     HUNG = 72
-    # Before any rank starts (muster.gang.lifecycle), C->A: dial node 0's rendezvous, which
+    # Before any rank starts (muster.gang.gating), C->A: dial node 0's rendezvous, which
     # its agent holds open until its ASSIGN: {job, epoch, node_rank, addr | null, port}
     MASTER_CHECK = 73
     # A->C: {job, epoch, node_rank, error: str | null, torch: str | null, nccl: str | null}

@@ -1,7 +1,7 @@
 """Is this member hung? Its ranks printed nothing and its process tree used no CPU for the
 job's ``hang_timeout``. The agent checks every CHECK_EVERY_S and says HUNG to the controller
 when the answer changes; the controller raises the job's ``Hung`` condition once every running
-member says so (muster.gang.lifecycle).
+member says so (muster.gang.hang).
 
 "No CPU" is at most IDLE_CPU_SHARE of one core per rank over the window: a rank parked in a
 gloo collective or a sleep uses none, a rank that computes without printing uses plenty. Any

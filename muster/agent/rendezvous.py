@@ -9,7 +9,7 @@ also keeps another process from taking the port meanwhile). Before any ASSIGN, e
 dials it (MASTER_CHECK: a TCP connect, closed at once; the kernel completes it from the
 listen backlog) and says the torch and NCCL versions of the job's Python, read from the
 installed packages' metadata (no torch import: ~0.1 s). The controller compares them
-(muster.gang.lifecycle) and fails or fences the epoch, naming the member and the fix.
+(muster.gang.gating) and fails or fences the epoch, naming the member and the fix.
 
 A held port is let go on ASSIGN, on STOP of the job, on a newer epoch's PREPARE, and after
 HOLD_MAX_S whatever happens (a controller that never came back).

@@ -78,7 +78,7 @@ from muster.gang import (
     Tick,
     step,
 )
-from muster.gang.lifecycle import probe_budget
+from muster.gang.network import probe_budget
 from muster.net.relaywire import issue_ticket
 from muster.plan import (
     MESH_GANGS,

@@ -130,7 +130,7 @@ class GangRun:
     grace_deadline: float | None = None  # set by ControllerRestarted
     rendezvous_deadline: float | None = None  # node 0 must publish its port by then
     probe_seconds: float | None = None  # None: this run does not probe
-    probe_round: int = -1  # the round of disjoint pairs under way (lifecycle.probe_rounds)
+    probe_round: int = -1  # the round of disjoint pairs under way (network.probe_rounds)
     probe_pending: frozenset[int] = frozenset()  # nodes whose PROBE_DONE of it is awaited
     fenced: bool = False  # the epoch ended before any rank started; the job is queued again
     # NetworkDegraded: some running pair lost its direct path (None: not known, after a

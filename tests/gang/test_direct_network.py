@@ -29,7 +29,7 @@ from muster.gang import (
     Tick,
     step,
 )
-from muster.gang.lifecycle import MAX_NETWORK_EPOCHS, RENDEZVOUS_TIMEOUT_S
+from muster.gang.turn import MAX_NETWORK_EPOCHS, RENDEZVOUS_TIMEOUT_S
 from muster.spec import JobState, MemberState, PathClass
 
 J, M = JobState, MemberState

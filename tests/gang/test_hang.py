@@ -19,7 +19,7 @@ from muster.gang import (
     Tick,
     step,
 )
-from muster.gang.lifecycle import HANG_STACKS_WAIT_S
+from muster.gang.hang import HANG_STACKS_WAIT_S
 from muster.spec import JobState, PathClass
 from tests.gang.test_lifecycle import CHECKED, PUBLISHED, STARTED, W, run_through
 
