@@ -37,6 +37,7 @@ import hashlib
 import json
 import os
 import re
+import select
 import shlex
 import shutil
 import signal
@@ -151,6 +152,8 @@ class Rig:
         self.switches: dict[str, Switch] = {}
         self.routers: list[str] = []
         self.procs: list[subprocess.Popen[bytes]] = []
+        self._shells: dict[tuple[str, str, str], subprocess.Popen[str]] = {}
+        self._asked = 0  # rig.api's requests, each with its number
         self.api_token = ""
         self.join_token = ""
         self.controller: Host | None = None
@@ -455,17 +458,86 @@ table ip muster_rig_nat {
         """What names that agent's nftables table and rank groups (``firewall.agent_key``)."""
         return firewall.agent_key(worker or host.name, self.work_dir(host, worker))
 
-    def api(self, method: str, *args: str, host: Host | None = None) -> Any:
+    def api(self, method: str, *args: str, host: Host | None = None, timeout: float = 60) -> Any:
         """``muster.client.Client().<method>(*args)`` called on ``host`` (the controller's
-        by default) with the API token; returns its JSON answer."""
+        by default) with the API token; returns its JSON answer.
+
+        The call goes to one Python per host and controller that serves them all: a Python
+        started per call, importing muster, cost ~0.4 s of CPU, and tests that poll took it
+        from the ranks they watch. Each request carries an id its answer echoes; a shell that
+        dies, stalls or answers out of turn is dropped (the next call starts another)."""
         where = host or self.controller
         assert where is not None
-        code = (
-            "import json, sys; from muster.client import Client; "
-            "print(json.dumps(getattr(Client(), sys.argv[1])(*sys.argv[2:])))"
-        )
-        out = self.muster_python(where, "-c", code, method, *args)
-        return json.loads(out)
+        shell = self._api_shell(where)
+        assert shell.stdin is not None
+        assert shell.stdout is not None
+        self._asked += 1
+        ask = self._asked
+        line, answer = "", None
+        try:
+            shell.stdin.write(json.dumps([ask, method, list(args)]) + "\n")
+            shell.stdin.flush()
+            # (select sees the pipe, not the reader's buffer: nothing is ever left there,
+            # as the shell answers one line per request and the last one was read whole)
+            ready, _, _ = select.select([shell.stdout], [], [], timeout)
+            line = shell.stdout.readline() if ready else ""
+            answer = json.loads(line) if line.endswith("\n") else None
+        except BaseException:
+            self._drop_api_shell(shell)  # interrupted mid-exchange: it may answer late
+            raise
+        if not isinstance(answer, dict) or answer.get("ask") != ask:
+            code = shell.poll()
+            self._drop_api_shell(shell)
+            what = (
+                f"its API shell exited ({code})"
+                if code is not None
+                else f"no answer within {timeout:.0f}s"
+                if not line
+                else f"an answer out of turn: {line[:200]!r}"
+            )
+            raise AssertionError(
+                f"on {where.name}: Client().{method}{args}: {what}\n{self.log_tails()}"
+            )
+        if "error" in answer:
+            raise AssertionError(f"on {where.name}: Client().{method}{args}: {answer['error']}")
+        return answer["ok"]
+
+    def _api_shell(self, host: Host) -> subprocess.Popen[str]:
+        env = {**self._muster_env(host), "MUSTER_API_TOKEN": self.api_token}
+        if self.controller is not None:
+            env["MUSTER_CONTROLLER"] = self.controller_url
+        key = (host.name, env.get("MUSTER_CONTROLLER", ""), self.api_token)
+        shell = self._shells.get(key)
+        if shell is not None and shell.poll() is None:
+            return shell
+        for old_key in [k for k in self._shells if k[0] == host.name]:
+            self._drop_api_shell(self._shells[old_key])  # dead, or for another controller
+        with open(self.log(host, "api-shell"), "ab") as errors:
+            shell = subprocess.Popen(
+                host.argv([sys.executable, "-c", API_SHELL]),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=errors,
+                text=True,
+                env=env,
+                start_new_session=True,
+            )
+        self._shells[key] = shell
+        return shell
+
+    def _drop_api_shell(self, shell: subprocess.Popen[str]) -> None:
+        for key, known in list(self._shells.items()):
+            if known is shell:
+                del self._shells[key]
+        for pipe in (shell.stdin, shell.stdout):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            shell.wait(2)  # (its stdin closed: it ends by itself)
+        _kill_group(shell, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            shell.wait(5)
 
     def muster_python(self, host: Host, *args: str, timeout: float = 60) -> str:
         env = {**self._muster_env(host), "MUSTER_API_TOKEN": self.api_token}
@@ -494,32 +566,16 @@ table ip muster_rig_nat {
         return ctl
 
     def wait_done(self, job_id: str, timeout: float = 180) -> dict[str, Any]:
-        """The job once it is over (bounded); its events in the message if it is not.
-
-        One Python on the controller's host polls (every 0.5 s) until then: a Python started
-        per poll, importing muster each time, took a third of a core from the ranks of the
-        job being waited for on this 2-core machine (bench/net.py's private arm)."""
-        assert self.controller is not None
-        code = (
-            "import json, sys, time\n"
-            "from muster.client import Client\n"
-            "client, deadline = Client(), time.monotonic() + float(sys.argv[2])\n"
-            "job = client.job(sys.argv[1])\n"
-            "while job['state'] not in ('succeeded', 'failed', 'cancelled'):\n"
-            "    if time.monotonic() > deadline:\n"
-            "        break\n"
-            "    time.sleep(0.5)\n"
-            "    job = client.job(sys.argv[1])\n"
-            "print(json.dumps(job))\n"
-        )
-        out = self.muster_python(
-            self.controller, "-c", code, job_id, str(timeout), timeout=timeout + 60
-        )
-        job: dict[str, Any] = json.loads(out)
-        if job["state"] not in ("succeeded", "failed", "cancelled"):
-            raise AssertionError(
-                f"{job_id} still {job['state']}: {job['events']}\n{self.log_tails()}"
-            )
+        """The job once it is over (bounded); its events in the message if it is not."""
+        deadline = time.monotonic() + timeout
+        job: dict[str, Any] = self.api("job", job_id)
+        while job["state"] not in ("succeeded", "failed", "cancelled"):
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"{job_id} still {job['state']}: {job['events']}\n{self.log_tails()}"
+                )
+            time.sleep(0.5)
+            job = self.api("job", job_id)
         return job
 
     def log_tails(self, lines: int = 25) -> str:
@@ -550,6 +606,9 @@ table ip muster_rig_nat {
 
     def close(self) -> None:
         """Stop every process and remove every namespace the rig made. Never raises."""
+        for shell in list(self._shells.values()):
+            with contextlib.suppress(OSError):
+                self._drop_api_shell(shell)
         for proc in self.procs:
             _kill_group(proc, signal.SIGTERM)
         for proc in self.procs:
@@ -574,7 +633,33 @@ table ip muster_rig_nat {
         return [ns for ns in list_namespaces() if ns.startswith(f"{self.tag}-")]
 
 
-def _kill_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+# One Python per host that serves rig.api: a line [ask, method, [args]] in, a line
+# {"ask": ask, "ok": answer} or {"ask": ask, "error": why} out, on a descriptor of its own
+# (anything printed to stdout goes to stderr). One Client while it works, a new one after
+# any error (the controller may have restarted).
+API_SHELL = """
+import contextlib, json, os, sys
+answers = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)
+from muster.client import Client
+client = None
+for line in sys.stdin:
+    ask, method, args = json.loads(line)
+    try:
+        client = client or Client()
+        text = json.dumps({"ask": ask, "ok": getattr(client, method)(*args)})
+    except Exception as exc:
+        text = json.dumps({"ask": ask, "error": f"{type(exc).__name__}: {exc}"})
+        if client is not None:
+            with contextlib.suppress(Exception):
+                client.close()
+        client = None
+    answers.write(text + "\\n")
+    answers.flush()
+"""
+
+
+def _kill_group(proc: subprocess.Popen[Any], sig: int) -> None:
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, sig)
