@@ -1,7 +1,7 @@
 """One gang run's lifecycle: ``step(run, event, now) -> (run, actions)``, pure (seed 001).
 
 The controller feeds every frame, link change, tick and API call for a run through ``step``
-and applies the returned actions in order; the rules live here alone::
+and applies the returned actions in order; the rules live in this package alone::
 
     unplaced ─Placed─► rendezvous ─PortPublished(node 0)─► starting ─all started─► running
                            │                                   │                     │   │

@@ -1,6 +1,7 @@
-"""A gang's network before its command starts: the direct and relayed paths' set-up
-(NET_SETUP, NET_READY, NET_PEERS, NET_UP), the probe in rounds of disjoint pairs, the
-rendezvous once the path is proven, and a running pair that loses its path (NetworkDegraded)."""
+"""A gang's network before its command starts: the direct and relayed paths' set-up once
+``lifecycle`` sent NET_SETUP (NET_READY, NET_PEERS, NET_UP), the probe in rounds of disjoint
+pairs, the rendezvous once the path is proven, and a running pair that loses its path
+(NetworkDegraded)."""
 
 from __future__ import annotations
 
