@@ -41,4 +41,6 @@ def stacks(
         nodes = ", ".join(f"node{n}" for n in answer["missing"])
         err.print(f"no answer in time from {nodes}", markup=False)
     if not groups:
+        if not answer["errors"] and not answer["missing"]:
+            err.print("no rank sent a stack (its ranks may have just ended)", markup=False)
         raise typer.Exit(1)

@@ -18,6 +18,7 @@ from muster.errors import BadRequest, UserError
 from muster.gang import StacksCaptured
 from muster.plan import rank_plan
 from muster.plan.stacks import folded_text
+from muster.spec import JobState
 from muster.store.writes import EventWrite
 from muster.wire import Kind
 
@@ -56,8 +57,12 @@ class StackDesk:
             if entry is not None
             else []
         )
-        if entry is None or not running:
-            raise BadRequest(f"job {job_id} has no running ranks (it is {job.state})")
+        # A job that ended has no running ranks, even while its members are being stopped
+        # (the run knows it ended before the store does).
+        state = entry.gang.job_state if entry is not None and entry.gang.is_over else None
+        state = state or JobState(job.state)
+        if entry is None or state.is_terminal or not running:
+            raise BadRequest(f"job {job_id} has no running ranks (it is {state.value})")
         plan = rank_plan(entry.spec)
         ranks: list[int] | None = None
         if rank is not None:
