@@ -1,9 +1,10 @@
 """The controller's supervision: scheduler passes, and a thin shell around ``muster.gang``.
 
 Every decision about a gang run is ``muster.gang.step``'s (events in, actions out). This
-module turns what happens into events (frames from agents, links that come and go, the
-clock, the API, a restart) and applies the actions in order: store writes and frames. It
-decides nothing itself, apart from two things that are not about a run:
+module turns what happens into events (frames from agents, read by ``controller.frames``;
+links that come and go, the clock, the API, a restart) and applies the actions in order:
+store writes and frames. It decides nothing itself, apart from two things that are not
+about a run:
 
 - which queued jobs to place (``muster.scheduler.schedule``, in one pass under the lock);
 - what to tell an agent that reports members of jobs this controller no longer tracks
@@ -17,7 +18,6 @@ and the jobs go on; a member that does not come back within the grace fails its 
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import ipaddress
 import logging
@@ -27,6 +27,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from muster.controller.auth import Tickets
+from muster.controller.frames import member_event, member_report
 from muster.controller.ingest import LogIngest
 from muster.controller.links import CLOSE_REFUSED, Link, LinkEnded
 from muster.controller.metrics import Metrics
@@ -46,20 +47,8 @@ from muster.gang import (
     KeepApart,
     LinkBack,
     LinkLost,
-    MasterChecked,
-    MemberExited,
-    MemberHung,
-    MemberReport,
-    MemberStarted,
-    NetPath,
-    NetReady,
-    NetUp,
     OutputsStored,
     Placed,
-    PortPublished,
-    ProbeDone,
-    ProbePair,
-    ProbeReady,
     RecordEvent,
     ReleaseWorker,
     SendAssign,
@@ -83,8 +72,6 @@ from muster.net.relaywire import issue_ticket
 from muster.plan import (
     MESH_GANGS,
     MESH_MAX_NODES,
-    MESH_MTU,
-    MESH_MTU_REGION,
     MESH_PREFIX,
     gang_addressing,
     mesh_address,
@@ -92,7 +79,6 @@ from muster.plan import (
 )
 from muster.scheduler import IP_COLLISION, Placement, PoolIndex, QueuedJob, schedule
 from muster.spec import (
-    MESH_INTERFACE,
     JobSpec,
     JobState,
     MemberState,
@@ -870,40 +856,18 @@ class Controller:
         node = entry.gang.node_of(link.worker_id)
         if node is None or node != body.get("node_rank", node):
             return nothing
-        event: Event
-        if kind is Kind.NET_READY:
-            if not body.get("error"):  # joining the epoch's network takes its join key
-                keys = entry.join_keys or JoinKeys(entry.gang.epoch)
-                refused = keys.redeem(node, body.get("join_key"))
-                if refused is not None:
-                    self.metrics.frames_refused.labels("join_key").inc()
-                    log.warning("job %s: %s; refused", job, refused)
-                    why = f"{refused} (worker {link.worker_id}); its NET_READY was refused"
-                    return self.writer.submit(
-                        [EventWrite("JoinRefused", why, job, link.worker_id, {"node": node})]
-                    )
-            event = self._net_ready(entry, node, body)
-        elif kind is Kind.NET_UP:
-            event = NetUp(node)
-        elif kind is Kind.PROBE_READY:
-            error = body.get("error")
-            event = ProbeReady(
-                node, int(body.get("port") or 0), str(error)[:500] if error else None
-            )
-        elif kind is Kind.PROBE_DONE:
-            pairs = tuple(_probe_pair(p) for p in body.get("pairs") or [])
-            event = ProbeDone(node, pairs, _short(body.get("device")) or MESH_INTERFACE)
-        elif kind is Kind.NET_PATH:
-            at = {mesh_address(n, entry.mesh): n for n in range(len(entry.gang.members))}
-            lost = body.get("lost")
-            nodes = [at[a] for a in lost if a in at] if isinstance(lost, list) else []
-            event = NetPath(node, tuple(nodes))
-        elif kind is Kind.HUNG:
-            first, last = (int(r) for r in body.get("ranks") or (0, 0))
-            event = MemberHung(node, bool(body.get("hung")), (first, last), int(body["silent_s"]))
-        elif kind is Kind.RENDEZVOUS_READY:
-            event = PortPublished(node, str(body["addr"]), int(body["port"]))
-        elif kind is Kind.RELAY_TICKETS:
+        if kind is Kind.NET_READY and not body.get("error"):
+            # Joining the epoch's network takes its join key.
+            keys = entry.join_keys or JoinKeys(entry.gang.epoch)
+            refused = keys.redeem(node, body.get("join_key"))
+            if refused is not None:
+                self.metrics.frames_refused.labels("join_key").inc()
+                log.warning("job %s: %s; refused", job, refused)
+                why = f"{refused} (worker {link.worker_id}); its NET_READY was refused"
+                return self.writer.submit(
+                    [EventWrite("JoinRefused", why, job, link.worker_id, {"node": node})]
+                )
+        if kind is Kind.RELAY_TICKETS:
             # More relay tickets for this member of this epoch (at most one answer every
             # RELAY_TICKETS_EVERY_S per member: each ticket admits it once, to its gang only).
             key = (job, node)
@@ -924,69 +888,19 @@ class Controller:
                     },
                 )
             return nothing
-        elif kind is Kind.MASTER_CHECKED:
-            error = body.get("error")
-            event = MasterChecked(
-                node,
-                str(error)[:500] if error else None,
-                _short(body.get("torch")),
-                _short(body.get("nccl")),
-            )
-        elif kind is Kind.MEMBER_STARTED:
-            event = MemberStarted(node)
-        elif kind is Kind.MEMBER_EXITED:
-            event = _exited(node, body)
-        elif kind is Kind.ARTIFACTS_DONE:
-            errors = tuple(str(e) for e in body.get("errors") or [])
-            if not errors:  # remembered for a restart (GangRun.restore's outputs)
-                stored = EventWrite(
-                    "OutputsStored",
-                    f"node{node} stored {len(body.get('files') or [])} output file(s)",
-                    job,
-                    data={"node": node, "epoch": entry.gang.epoch},
-                )
-                self.writer.submit([stored])
-            event = OutputsStored(node, ok=not errors, errors=errors)
-        else:
+        event = member_event(entry, node, kind, body)
+        if event is None:
             return nothing
-        return await self._step(entry, event)
-
-    def _net_ready(self, entry: RunEntry, node: int, body: dict[str, Any]) -> NetReady:
-        """NET_READY: the member's endpoint is where the reflector saw it (its NAT's public
-        address and mapped port), or else its advertise address and the device's port."""
-        if body.get("error"):
-            at = {mesh_address(n, entry.mesh): n for n in range(len(entry.gang.members))}
-            silent = body.get("silent")
-            nodes = [at[a] for a in silent if a in at] if isinstance(silent, list) else []
-            return NetReady(
-                node,
-                error=str(body["error"])[:500],
-                silent=tuple(nodes),
-                shim_not_loaded=bool(body.get("shim_not_loaded")),
+        if isinstance(event, OutputsStored) and event.ok:
+            # Remembered for a restart (GangRun.restore's outputs).
+            stored = EventWrite(
+                "OutputsStored",
+                f"node{node} stored {len(body.get('files') or [])} output file(s)",
+                job,
+                data={"node": node, "epoch": entry.gang.epoch},
             )
-        key, port = str(body.get("public_key") or ""), int(body.get("port") or 0)
-        if entry.gang.path is PathClass.RELAYED:  # a key, and the relays for an endpoint
-            if not _is_wg_key(key):
-                return NetReady(node, error=f"a malformed NET_READY (key {key[:8]!r})")
-            return NetReady(node, key, "")
-        host = entry.inventories[node].advertise_address or ""
-        public = body.get("public")
-        if isinstance(public, dict):
-            seen = _address_port(public.get("addr"), public.get("port"))
-            if seen is None:
-                return NetReady(node, error=f"a malformed public endpoint {public!r}")
-            host, port = seen
-        if not _is_wg_key(key) or not 0 < port < 65536 or not host:
-            return NetReady(node, error=f"a malformed NET_READY (key {key[:8]!r}, port {port})")
-        endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        # The MTU it took: at most what this epoch offered, at least 1280 (an older agent
-        # says none; anything else is not believed: it decides whether a stalled pair is
-        # tried again with smaller packets or kept apart, so it must not outlast the offer).
-        mtu = body.get("mtu")
-        took = None
-        if isinstance(mtu, int) and not isinstance(mtu, bool):
-            took = mtu if MESH_MTU <= mtu <= (entry.offered_mtu or MESH_MTU_REGION) else None
-        return NetReady(node, key, endpoint, mtu=took)
+            self.writer.submit([stored])
+        return await self._step(entry, event)
 
     def _relay_list(self, entry: RunEntry, node: int) -> list[dict[str, Any]]:
         """The relays with single-use tickets admitting member ``node`` of the run's gang to
@@ -1052,7 +966,7 @@ class Controller:
             return None
         worker = link.worker_id
         link.walk_in = inventory.join is not None
-        reports = tuple(_report(r) for r in body.get("members") or [])
+        reports = tuple(member_report(r) for r in body.get("members") or [])
         # Members of jobs this controller does not track (or of an older epoch) that still
         # run are told to stop; the worker stays busy until an inventory without them.
         stale = [
@@ -1199,52 +1113,8 @@ class Controller:
         self.request_pass()
 
 
-def _exited(node: int, body: dict[str, Any]) -> MemberExited:
-    def number(key: str) -> int | None:
-        value = body.get(key)
-        return int(value) if value is not None else None
-
-    return MemberExited(
-        node=node,
-        exit_code=int(body.get("exit_code", 1)),
-        signal=str(body["signal"]) if body.get("signal") else None,
-        failed_rank=number("failed_rank"),
-        failed_exit=number("failed_exit"),
-        tail=tuple(str(line) for line in body.get("tail") or []),
-    )
-
-
-def _report(raw: dict[str, Any]) -> MemberReport:
-    code = raw.get("exit_code")
-    seq = raw.get("last_log_seq")
-    return MemberReport(
-        job=str(raw["job"]),
-        epoch=int(raw["epoch"]),
-        node=int(raw["node_rank"]),
-        exit_code=int(code) if code is not None else None,
-        signal=str(raw["signal"]) if raw.get("signal") else None,
-        last_log_seq=int(seq) if seq is not None else None,
-    )
-
-
 def _first_line(exc: Exception) -> str:
     return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-
-
-def _is_wg_key(key: str) -> bool:
-    """A WireGuard public key: 32 bytes, base64."""
-    try:
-        return len(base64.b64decode(key, validate=True)) == 32
-    except ValueError:
-        return False
-
-
-def _address_port(addr: object, port: object) -> tuple[str, int] | None:
-    try:
-        host, number = str(ipaddress.ip_address(str(addr))), int(str(port))
-    except ValueError:
-        return None
-    return (host, number) if 0 < number < 65536 else None
 
 
 def _why_relayed(outcome: Placement) -> str:
@@ -1273,30 +1143,3 @@ def _probe_seconds(spec: JobSpec, members: Sequence[WorkerInventory]) -> float |
     if all(ipaddress.ip_address(m.advertise_address or "127.0.0.1").is_loopback for m in members):
         return None
     return spec.gang.probe_seconds
-
-
-def _probe_pair(raw: Any) -> ProbePair:
-    if not isinstance(raw, dict):
-        raise ValueError(f"a probe pair is a JSON object, not {type(raw).__name__}")
-
-    def number(key: str) -> float | None:
-        value = raw.get(key)
-        return float(value) if isinstance(value, int | float) else None
-
-    error = raw.get("error")
-    return ProbePair(
-        node=int(raw["node"]),
-        connects=int(raw.get("connects") or 0),
-        rtt_ms=number("rtt_ms"),
-        gbps=number("gbps"),
-        error=str(error)[:500] if error else None,
-        via=_short(raw.get("via")),
-        endpoint=_short(raw.get("endpoint")),
-    )
-
-
-def _short(value: object) -> str | None:
-    """A short printable string from an agent (an interface, an endpoint), or None."""
-    if not isinstance(value, str) or not value or len(value) > 64 or not value.isprintable():
-        return None
-    return value
