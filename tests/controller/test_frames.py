@@ -1,21 +1,33 @@
 """A member frame's body, whatever an agent puts in it, is read into the run's event or
 refused as malformed (KeyError, TypeError, ValueError: the controller counts and skips
-those); no other error escapes into the link's handling."""
+those); no other error escapes into the link's handling. Examples:
+``MUSTER_HYPOTHESIS_EXAMPLES`` (default 300)."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any
 
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from muster.controller.frames import member_event, member_report
 from muster.controller.runs import RunEntry
-from muster.gang import GangRun, MemberExited, NetReady, OutputsStored, Placed, ProbeDone, step
+from muster.gang import (
+    GangRun,
+    MemberExited,
+    MemberReport,
+    NetReady,
+    OutputsStored,
+    Placed,
+    ProbeDone,
+    step,
+)
 from muster.spec import JobSpec, NetworkCaps, PathClass, WorkerInventory
 from muster.wire import Kind
 
+EXAMPLES = int(os.environ.get("MUSTER_HYPOTHESIS_EXAMPLES", "300"))
 WORKERS = ("w0", "w1", "w2")
 MEMBER_KINDS = (
     Kind.NET_READY,
@@ -80,7 +92,7 @@ def entry(path: PathClass) -> RunEntry:
 ENTRIES = {path: entry(path) for path in (PathClass.DIRECT, PathClass.RELAYED)}
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     kind=st.sampled_from(MEMBER_KINDS),
     path=st.sampled_from(list(ENTRIES)),
@@ -98,7 +110,7 @@ def test_any_body_is_read_or_refused_as_malformed(
     assert getattr(event, "node", node) == node
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(raw=JSON)
 def test_any_reported_member_is_read_or_refused_as_malformed(raw: Any) -> None:
     with contextlib.suppress(KeyError, TypeError, ValueError):
@@ -131,3 +143,19 @@ def test_the_bodies_agents_send_are_read() -> None:
     stored = member_event(direct, 0, Kind.ARTIFACTS_DONE, {"errors": ["disk full"]})
     assert stored == OutputsStored(0, ok=False, errors=("disk full",))
     assert member_event(direct, 0, Kind.RELAY_TICKETS, {}) is None
+    # on the relayed path a key is all (the relays are its endpoint)
+    relayed = member_event(
+        ENTRIES[PathClass.RELAYED], 2, Kind.NET_READY, {"public_key": "B" * 43 + "="}
+    )
+    assert relayed == NetReady(2, "B" * 43 + "=", "")
+    # a member that could not join names the peers it never heard from, by node
+    failed = member_event(
+        direct, 0, Kind.NET_READY, {"error": "no handshake", "silent": ["100.64.0.3", "1.2.3.4"]}
+    )
+    assert failed == NetReady(0, error="no handshake", silent=(2,))
+    report = member_report(
+        {"job": "j", "epoch": 1, "node_rank": 2, "exit_code": None, "last_log_seq": 7}
+    )
+    assert report == MemberReport(
+        job="j", epoch=1, node=2, exit_code=None, signal=None, last_log_seq=7
+    )
