@@ -24,8 +24,9 @@ from muster.gang import (
     ProbeDone,
     step,
 )
-from muster.spec import JobSpec, NetworkCaps, PathClass, WorkerInventory
+from muster.spec import JobSpec, PathClass
 from muster.wire import Kind
+from tests.controller.helpers import direct_worker
 
 EXAMPLES = int(os.environ.get("MUSTER_HYPOTHESIS_EXAMPLES", "300"))
 WORKERS = ("w0", "w1", "w2")
@@ -66,18 +67,7 @@ BODIES = st.dictionaries(KEYS, JSON, max_size=8)
 
 
 def entry(path: PathClass) -> RunEntry:
-    inventories = [
-        WorkerInventory(
-            id=w,
-            hostname=w,
-            advertise_address=f"10.0.0.{i + 1}",
-            torch_version="2.13.0",
-            torchrun=True,
-            backends=["gloo"],
-            network=NetworkCaps(can_create_device=True),
-        )
-        for i, w in enumerate(WORKERS)
-    ]
+    inventories = [direct_worker(i, w) for i, w in enumerate(WORKERS)]
     spec = JobSpec.model_validate(
         {
             "name": "frames",
