@@ -127,6 +127,9 @@ class _Shipper:
     pending: dict[str, deque[Line]] = field(default_factory=dict)
     unacked: dict[int, tuple[str, list[Line]]] = field(default_factory=dict)
     next_batch: int = 1
+    # Set when lines are added: the flush wakes for them, not on a clock (an agent whose
+    # ranks are quiet does no work for their logs).
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
 
     def backlog(self) -> int:
         """Lines held: waiting to be sent, or sent and not yet acked."""
@@ -143,6 +146,8 @@ class _Shipper:
         if queue is None:
             queue = self.pending[job] = deque()
         queue.extend(lines)
+        if lines:
+            self.ready.set()
 
     def next(self) -> tuple[int, str, list[Line]] | None:
         """The next batch to send, now counted as unacked; None when nothing waits."""
@@ -476,8 +481,12 @@ class Agent:
             await asyncio.sleep(self.heartbeat_interval)
 
     async def _flush_logs(self) -> None:
+        if any(self.shipper.pending.values()):  # held while there was no link
+            self.shipper.ready.set()
         while True:
-            await asyncio.sleep(FLUSH_S)
+            await self.shipper.ready.wait()
+            await asyncio.sleep(FLUSH_S)  # lines come in bursts: one batch for a burst
+            self.shipper.ready.clear()
             while True:
                 # At most MAX_UNACKED batches in flight: the ranks' lines wait here (in
                 # memory) rather than anything being dropped.

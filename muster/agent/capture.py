@@ -22,6 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 MAX_LINE = 64 * 1024  # bytes; longer lines are cut (between characters), the rest follows
+# Once every rank's two files are found, how often to look for new ones (a torchrun restart
+# writes a new attempt_N directory): each look is 2 x procs directory walks.
+DISCOVER_EVERY_S = 1.0
 
 #: One captured line: (origin, rank, seq, time, stream, text), and for a line that is not
 #: UTF-8 a 7th field: base64 of its exact bytes (``text`` then shows U+FFFD for bad bytes).
@@ -50,8 +53,14 @@ class RankTailer:
     _seq: dict[int, int] = field(default_factory=dict)
     tails: dict[int, deque[str]] = field(default_factory=dict)
     bytes_read: int = 0  # every byte the rank files gained, complete lines or not
+    _next_look: float = 0.0
 
-    def _discover(self) -> None:
+    def _discover(self, always: bool = False) -> None:
+        now = time.monotonic()
+        found = len({(st.rank, st.stream) for st in self._streams.values()})
+        if not always and found == 2 * self.procs and now < self._next_look:
+            return
+        self._next_look = now + DISCOVER_EVERY_S
         for local in range(self.procs):
             for stream in ("stdout", "stderr"):
                 for path in self.capture_dir.glob(f"*/attempt_*/{local}/{stream}.log"):
@@ -60,7 +69,7 @@ class RankTailer:
 
     def poll(self, final: bool = False) -> int:
         """Read what the files gained; on ``final`` also the last line without a newline."""
-        self._discover()
+        self._discover(always=final)
         count = 0
         for st in self._streams.values():
             try:

@@ -54,7 +54,9 @@ log = logging.getLogger("muster.agent")
 Send = Callable[[Kind, dict[str, Any]], Awaitable[bool]]
 # How torchrun is started: asyncio.create_subprocess_exec (a seam for the tests).
 Spawn = Callable[..., Awaitable[asyncio.subprocess.Process]]
-POLL_S = 0.05
+POLL_S = 0.05  # how often the rank files are read while they grow
+QUIET_POLL_S = 0.25  # and once they have been quiet for QUIET_AFTER_S
+QUIET_AFTER_S = 1.0
 REAPER_DELAY_S = 5.0
 UPLOAD_PATIENCE_S = 600.0  # how long an upload waits for an unreachable controller
 LOGS_DRAIN_S = 30.0  # how long an exit report waits for the member's lines to be stored
@@ -239,17 +241,23 @@ class MemberRun:
         if self.spec.hang_timeout:
             watch = HangWatch(float(self.spec.hang_timeout), time.monotonic())
         seen, unread, next_check = 0, False, time.monotonic() + CHECK_EVERY_S
+        grew, grew_at = 0, time.monotonic()
         while not wait.done():
             if self.may_read():  # else the lines wait in the rank files on disk
                 tailer.poll()
             else:
                 unread = True  # not reading is not silence
+            if tailer.bytes_read != grew:
+                grew, grew_at = tailer.bytes_read, time.monotonic()
             if watch is not None and time.monotonic() >= next_check:
                 output = -1 if unread else tailer.bytes_read - seen
                 await self._check_hang(watch, output, ranks)
                 seen, unread = tailer.bytes_read, False
                 next_check = time.monotonic() + CHECK_EVERY_S
-            await asyncio.wait([wait], timeout=POLL_S)
+            # Fast while the ranks print, slower once they are quiet (an agent beside
+            # ranks that print nothing does next to nothing); the exit is seen at once.
+            quiet = time.monotonic() - grew_at > QUIET_AFTER_S
+            await asyncio.wait([wait], timeout=QUIET_POLL_S if quiet else POLL_S)
         # torchrun is gone; a rank it left behind (torchrun killed by the OOM killer, say)
         # still holds its GPU: end the rest of its process group before reporting the exit.
         await asyncio.to_thread(sweep_group, self.proc.pid, self.grace)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 from pathlib import Path
 
 import orjson
+import pytest
 
 from muster.agent.agent import BATCH_LINES, _Shipper
-from muster.agent.capture import MAX_LINE, Line, RankTailer, root_cause
+from muster.agent.capture import DISCOVER_EVERY_S, MAX_LINE, Line, RankTailer, root_cause
 
 
 def test_shipper_sends_every_line_once_in_order_whatever_the_backlog() -> None:
@@ -134,3 +136,47 @@ def test_the_pids_of_torchruns_failure_summary() -> None:
     ]
     assert failed_pids(lines) == {11795}
     assert failed_pids(["no summary"]) == set()
+
+
+def test_a_restarts_new_attempt_is_followed_and_nothing_of_it_is_lost(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once every rank's files are found the tailer looks for new ones only now and then
+    (a torchrun restart writes attempt_1): the new attempt's lines all arrive at the next
+    look, and at the final read whatever the clock says."""
+    clock = [1000.0]
+    monkeypatch.setattr("muster.agent.capture.time.monotonic", lambda: clock[0])
+    first = tmp_path / "run" / "attempt_0" / "0"
+    first.mkdir(parents=True)
+    (first / "stdout.log").write_text("one\n")
+    (first / "stderr.log").write_text("")
+    lines: list[Line] = []
+    tailer = RankTailer(tmp_path, first_rank=0, procs=1, emit=lines.extend)
+    tailer.poll()
+    second = tmp_path / "run" / "attempt_1" / "0"
+    second.mkdir(parents=True)
+    (second / "stdout.log").write_text("two\nthree\n")
+    (second / "stderr.log").write_text("")
+    tailer.poll()  # within DISCOVER_EVERY_S of the last look: not found yet
+    assert [ln[5] for ln in lines] == ["one"]
+    clock[0] += DISCOVER_EVERY_S
+    tailer.poll()
+    assert [(ln[2], ln[5]) for ln in lines] == [(1, "one"), (2, "two"), (3, "three")]
+    third = tmp_path / "run" / "attempt_2" / "0"
+    third.mkdir(parents=True)
+    (third / "stdout.log").write_text("four\n")
+    tailer.poll(final=True)  # the member is over: every file is read, found or not
+    assert [ln[5] for ln in lines][-1] == "four"
+
+
+def test_the_log_flush_wakes_for_lines_not_on_a_clock() -> None:
+    async def flush_wakes() -> None:
+        shipper = _Shipper()
+        waiting = asyncio.create_task(shipper.ready.wait())
+        shipper.add("job", [])  # nothing to send: the flush sleeps on
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        shipper.add("job", [("rank", 0, 1, 0.0, "stdout", "hello")])
+        await asyncio.wait_for(waiting, 1)
+
+    asyncio.run(flush_wakes())
