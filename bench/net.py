@@ -8,8 +8,9 @@ for every arm, in one run:
   setting), and again at MTU 1280; over muster's direct-path device (muster.net.wireguard,
   keepalive 25 s, made as the agent makes it) at the two sizes muster picks: 1280 for hosts
   that declared no region (or several), 1420 for hosts in one declared provider region;
-- a gloo all_reduce of 4 and 64 MiB between the two hosts (1 rank each, median of 15 after
-  a warm-up): torchrun by hand bound to the raw interface and to muster0, and the same script
+- a gloo all_reduce of 4 and 64 MiB between the two hosts (1 rank each, the median of at
+  least 15 and at least 1.5 s of them, after a warm-up): torchrun by hand bound to the raw
+  interface and to muster0, and the same script
   submitted as a muster job on the private path (real agents, the probe, the rendezvous
   port's nftables rule on node 0); the raw and private arms take 5 turns, all with the
   rig's controller and agents up (they share this machine's cores; on a cluster the
@@ -57,12 +58,17 @@ ALL_REDUCE = textwrap.dedent(
     for mib in (4, 64):
         t = torch.ones(mib * (1 << 20) // 4)
         dist.all_reduce(t)  # warm-up: connections, buffers
-        times = []
-        for _ in range(15):  # (a median of 5 swung 0.5-1.3x from one turn to the next)
+        # At least 15 and at least ~1.5 s of them: at 4 MiB (~3 ms each) 15 were 45 ms,
+        # and a turn read whatever the machine did in those (0.5-1.2x between turns).
+        # Rank 0 decides when to stop and says so, so both ranks run the same count.
+        times, more = [], torch.ones(1)
+        while more.item():
             dist.barrier()
             start = time.perf_counter()
             dist.all_reduce(t)
             times.append(time.perf_counter() - start)
+            more.fill_(float(len(times) < 15 or sum(times) < 1.5))
+            dist.broadcast(more, 0)
         if dist.get_rank() == 0:
             print(f"allreduce {mib} {statistics.median(times):.6f}", flush=True)
     dist.destroy_process_group()
