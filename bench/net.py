@@ -63,6 +63,7 @@ ALL_REDUCE = textwrap.dedent(
         # Rank 0 decides when to stop and says so, so both ranks run the same count.
         times, more = [], torch.ones(1)
         while more.item():
+            t.fill_(1.0)  # (summed in place: doubling each time, it would reach inf)
             dist.barrier()
             start = time.perf_counter()
             dist.all_reduce(t)

@@ -12,7 +12,6 @@ SQLite gives the -wal and -shm files the database file's mode).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 from collections.abc import Iterator
@@ -216,10 +215,8 @@ class Database:
         # writers queue here instead, each starting the moment the last one commits
         # (12 s in all, 0.12 s at most); another process (muster gc) still meets the
         # busy timeout.
-        self._writers: contextlib.AbstractContextManager[Any] = (
-            _sqlite_writers(engine.url.database or "")
-            if engine.dialect.name == "sqlite"
-            else contextlib.nullcontext()
+        self._writers = (
+            _sqlite_writers(engine.url.database or "") if engine.dialect.name == "sqlite" else None
         )
 
     @property
@@ -229,8 +226,22 @@ class Database:
     @contextmanager
     def transaction(self) -> Iterator[Session]:
         """One transaction that may write: committed on success, rolled back on any error."""
-        with self._writers, self._begin(self._sessions) as session:
-            yield session
+        if self._writers is None:
+            with self._begin(self._sessions) as session:
+                yield session
+            return
+        # As long as SQLite itself would wait for another writer: a queue of writers behind
+        # one that holds the file (another process) fails each after that, not in turn.
+        if not self._writers.acquire(timeout=SQLITE_BUSY_TIMEOUT_MS / 1000):
+            raise StoreUnavailable(
+                f"database error: waited {SQLITE_BUSY_TIMEOUT_MS / 1000:.0f} s for another "
+                "writer of this process (database is locked)"
+            )
+        try:
+            with self._begin(self._sessions) as session:
+                yield session
+        finally:
+            self._writers.release()
 
     @contextmanager
     def read(self) -> Iterator[Session]:

@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import base64
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
 
-from muster.agent.agent import BATCH_LINES, _Shipper
+from muster.agent.agent import BATCH_LINES, Agent, _Shipper
 from muster.agent.capture import DISCOVER_EVERY_S, MAX_LINE, Line, RankTailer, root_cause
+from muster.wire import Kind
 
 
 def test_shipper_sends_every_line_once_in_order_whatever_the_backlog() -> None:
@@ -169,14 +171,51 @@ def test_a_restarts_new_attempt_is_followed_and_nothing_of_it_is_lost(
     assert [ln[5] for ln in lines][-1] == "four"
 
 
-def test_the_log_flush_wakes_for_lines_not_on_a_clock() -> None:
-    async def flush_wakes() -> None:
-        shipper = _Shipper()
-        waiting = asyncio.create_task(shipper.ready.wait())
-        shipper.add("job", [])  # nothing to send: the flush sleeps on
-        await asyncio.sleep(0.05)
-        assert not waiting.done()
-        shipper.add("job", [("rank", 0, 1, 0.0, "stdout", "hello")])
-        await asyncio.wait_for(waiting, 1)
+def test_the_log_flush_wakes_for_lines_and_a_new_link_sends_what_waited() -> None:
+    """The flush sleeps until lines come (no clock); a link that broke mid-flush leaves
+    lines waiting, and the next link's flush sends them without new lines to wake it."""
 
-    asyncio.run(flush_wakes())
+    async def flushes() -> list[list[int]]:
+        agent = Agent.__new__(Agent)  # only the flush's parts: the shipper and a link
+        agent.shipper, agent._acked = _Shipper(), asyncio.Event()
+        sent: list[list[int]] = []
+        stuck = asyncio.Event()
+
+        async def send(kind: Kind, body: dict[str, Any]) -> bool:
+            sent.append([line[2] for line in body["lines"]])
+            if len(sent) == 2:  # the link breaks while this batch is being sent
+                stuck.set()
+                await asyncio.Event().wait()
+            return True
+
+        agent.send = send  # type: ignore[method-assign]
+        first = asyncio.create_task(agent._flush_logs())
+        await asyncio.sleep(0.2)
+        assert sent == [], "no lines: nothing sent, nothing polled"
+        agent.shipper.add("job", [("rank", 0, 1, 0.0, "stdout", "one")])
+        for _ in range(100):
+            if sent:
+                break
+            await asyncio.sleep(0.01)
+        assert sent == [[1]]
+        many = [("rank", 0, i, 0.0, "stdout", "x") for i in range(2, 2 + 2 * BATCH_LINES)]
+        agent.shipper.add("job", many)  # two batches: the link breaks in the first
+        await asyncio.wait_for(stuck.wait(), 5)
+        first.cancel()
+        agent.send = lambda kind, body: send_ok(sent, body)  # type: ignore[method-assign]
+        second = asyncio.create_task(agent._flush_logs())  # the next link's flush
+        for _ in range(100):
+            if len(sent) == 3:
+                break
+            await asyncio.sleep(0.01)
+        second.cancel()
+        return sent
+
+    sent = asyncio.run(flushes())
+    assert len(sent) == 3, "the batch left waiting went out on the next link"
+    assert sent[2] == list(range(2 + BATCH_LINES, 2 + 2 * BATCH_LINES))
+
+
+async def send_ok(sent: list[list[int]], body: dict[str, Any]) -> bool:
+    sent.append([line[2] for line in body["lines"]])
+    return True

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from muster.errors import StoreUnavailable
 from muster.spec import JobState
 from muster.store import Store, open_store
 from muster.store.engine import SQLITE_BUSY_TIMEOUT_MS, ensure_data_dir
@@ -116,18 +117,50 @@ def test_a_writer_starts_as_soon_as_the_last_one_commits(
                 )
                 opened.set()
                 time.sleep(0.45)  # past the busy handler's 1+2+...+50 ms (228 ms) ramp
-            committed.append(time.monotonic())
+                ending = time.monotonic()
+            committed.append(ending)  # (just before its commit: the lags are upper bounds)
 
         holder = threading.Thread(target=hold, daemon=True)
         holder.start()
         assert opened.wait(10)
         store.put_setting("k", "v")  # waits for the holder's commit
-        lags.append(time.monotonic() - committed[-1])
+        done = time.monotonic()
         holder.join(10)
+        lags.append(done - committed[-1])
     assert store.get_setting("k") == "v"
     # Through the busy handler the write got in at its next 100 ms poll: ~80 ms late
     # here (its tries at 428 and 528 ms). Queued, it starts at once.
     assert min(lags) < 0.03, f"the waiting write started {min(lags) * 1e3:.0f} ms late"
+
+
+def test_a_writer_queued_too_long_fails_with_a_clear_error(
+    sqlite_store: tuple[Store, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The queue of writers is bounded as SQLite's busy timeout is: a write that waits that
+    long for another writer of this process fails, saying so, and nothing is written."""
+    store, _path = sqlite_store
+    monkeypatch.setattr("muster.store.engine.SQLITE_BUSY_TIMEOUT_MS", 200)
+    opened, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with store.db.transaction():
+            opened.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    assert opened.wait(10)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(StoreUnavailable, match="another writer"):
+            store.put_setting("k", "v")
+    finally:
+        release.set()
+        holder.join(10)
+    assert time.monotonic() - t0 < 5
+    assert store.get_setting("k") is None
+    store.put_setting("k", "v")  # and the next write, once it is free, goes through
+    assert store.get_setting("k") == "v"
 
 
 def test_a_new_data_dir_and_database_are_private(
