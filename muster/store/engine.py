@@ -231,10 +231,11 @@ class Database:
                 yield session
             return
         # As long as SQLite itself would wait for another writer: a queue of writers behind
-        # one that holds the file (another process) fails each after that, not in turn.
+        # one stuck on the file fails each after that, not in turn. (Then BEGIN IMMEDIATE
+        # still waits up to the busy timeout for another process that holds the file.)
         if not self._writers.acquire(timeout=SQLITE_BUSY_TIMEOUT_MS / 1000):
             raise StoreUnavailable(
-                f"database error: waited {SQLITE_BUSY_TIMEOUT_MS / 1000:.0f} s for another "
+                f"database error: waited {SQLITE_BUSY_TIMEOUT_MS / 1000:g} s for another "
                 "writer of this process (database is locked)"
             )
         try:
