@@ -6,7 +6,8 @@ links that come and go, the clock, the API, a restart) and applies the actions i
 store writes and frames. It decides nothing itself, apart from two things that are not
 about a run:
 
-- which queued jobs to place (``muster.scheduler.schedule``, in one pass under the lock);
+- which queued jobs to place (``controller.placer``: ``muster.scheduler.schedule`` in one
+  pass under the lock);
 - what to tell an agent that reports members of jobs this controller no longer tracks
   (stop them; its worker stays busy until they are gone).
 
@@ -19,11 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from muster.controller.auth import Tickets
@@ -31,24 +31,23 @@ from muster.controller.frames import member_event, member_report
 from muster.controller.ingest import LogIngest
 from muster.controller.links import CLOSE_REFUSED, Link, LinkEnded
 from muster.controller.metrics import Metrics
+from muster.controller.placer import Placer
 from muster.controller.relays import RelayUsage
 from muster.controller.runs import JoinKeys, RunEntry, rebuild_run
 from muster.controller.stacks import StackDesk
 from muster.controller.windows import WindowDesk
 from muster.controller.writer import StoreWriter
-from muster.errors import BadRequest, IllegalTransition, InfrastructureError, PlacementConflict
+from muster.errors import BadRequest, IllegalTransition, InfrastructureError
 from muster.gang import (
     Action,
     Cancel,
     CaptureStacks,
     ControllerRestarted,
     Event,
-    GangRun,
     KeepApart,
     LinkBack,
     LinkLost,
     OutputsStored,
-    Placed,
     RecordEvent,
     ReleaseWorker,
     SendAssign,
@@ -71,13 +70,12 @@ from muster.gang.network import probe_budget
 from muster.net.relaywire import issue_ticket
 from muster.plan import (
     MESH_GANGS,
-    MESH_MAX_NODES,
     MESH_PREFIX,
     gang_addressing,
     mesh_address,
     mesh_mtu,
 )
-from muster.scheduler import IP_COLLISION, Placement, PoolIndex, QueuedJob, schedule
+from muster.scheduler import Placement
 from muster.spec import (
     JobSpec,
     JobState,
@@ -85,10 +83,8 @@ from muster.spec import (
     PathClass,
     WorkerInventory,
     WorkerState,
-    WorkerView,
 )
 from muster.store import Store
-from muster.store.hot import reason_gist
 from muster.store.writes import (
     ConditionWrite,
     EventWrite,
@@ -97,7 +93,6 @@ from muster.store.writes import (
     MemberStateWrite,
     ReleaseWrite,
     RendezvousWrite,
-    WhyPendingWrite,
     WorkerStateWrite,
     Write,
 )
@@ -126,29 +121,10 @@ _SENDS = (
 PASS_GATHER_S = 0.01  # a pass waits this long after the first request, to take the others
 PASS_GATHER_MOST_S = 0.2
 IDLE_PASS_EVERY_S = 5.0  # with nothing asked, a pass (why-pending, gauges) this often
-# A why-pending reason whose kind (first clause) is unchanged is rewritten at most this
-# often: its counts move on nearly every pass, and writing ~1,000 of them each pass cost
-# more than the placement.
-WHY_PENDING_REFRESH_S = 2.0
 OPEN_LINKS_MAX = 256  # links admitted without the join secret (open_admission), all jobs
 OPEN_HOST = re.compile(r"[A-Za-z0-9._-]{1,63}")
 # An open link that has not walked in (sent its INVENTORY) by then is closed.
 OPEN_ADMIT_S = 30.0
-
-
-def told_before(said: dict[str, set[str]], due: Mapping[str, str | None]) -> frozenset[str]:
-    """The jobs of ``due`` whose reason is of a kind (its first clause) their Unplaceable
-    events said already; ``said`` (job -> kinds) learns the others'."""
-    quiet = set()
-    for job_id, reason in due.items():
-        if reason is None:
-            continue
-        kinds = said.setdefault(job_id, set())
-        kind = reason_gist(reason) or ""
-        if kind in kinds:
-            quiet.add(job_id)
-        kinds.add(kind)
-    return frozenset(quiet)
 
 
 class Controller:
@@ -171,12 +147,7 @@ class Controller:
         self._wake = asyncio.Event()
         self.logs = LogIngest(store, metrics)
         self.writer = StoreWriter(store, metrics, self._flushed)
-        self._specs: dict[str, JobSpec] = {}  # queued jobs' parsed specs
         self._recording: set[str] = set()  # workers whose INVENTORY write is not committed
-        self._why: dict[str, tuple[str | None, float]] = {}  # queued: (reason written, when)
-        # queued: the kinds of reason (reason_gist) its Unplaceable events have said already;
-        # a busy queue flips a job between two kinds, and the log says each once.
-        self._said: dict[str, set[str]] = {}
         # Pairs of workers each job's gangs must not hold together, per path (KeepApart of
         # its fenced epochs); restored from their EpochFenced events after a restart.
         self._apart: dict[str, dict[PathClass, frozenset[frozenset[str]]]] = {}
@@ -193,6 +164,7 @@ class Controller:
         self.relay_secret = b""  # shared with them: the tickets' MAC key
         self.relay_max_gbps = RELAY_DEFAULT_GBPS  # the most a relayed gang may ask for
         self._tickets_sent: dict[tuple[str, int], float] = {}  # (job, node) -> last answer
+        self.placer = Placer(self)  # the scheduler passes
         self.windows = WindowDesk(self)  # join windows of membership: window jobs
         self.stacks = StackDesk(self)  # muster stacks: the ranks' Python stacks
         self.relay_usage = RelayUsage(self)  # what relayed gangs sent (muster usage)
@@ -526,207 +498,14 @@ class Controller:
     # ---- placement -----------------------------------------------------------------------
 
     async def scheduler_pass(self) -> None:
-        async with self.lock:
-            started = time.perf_counter()
-            if self.exiting:
-                return  # the links are closing: nothing placed now could be started
-            queued, workers, stored = await self.db(self._pass_reads)
-            if not queued and not self.windows.wanted and not self.windows.entries:
-                return
-            try:
-                await self._place(queued, workers, stored, started)
-            finally:
-                self.metrics.scheduler_pass.observe(time.perf_counter() - started)
-
-    def _pass_reads(
-        self,
-    ) -> tuple[list[tuple[str, int, str | None]], list[WorkerView], dict[str, dict[str, Any]]]:
-        """What a pass reads, in one trip to a worker thread (under load each trip waits its
-        turn on the event loop): the queue, every worker, and the specs not validated yet.
-        (``_specs`` changes only in a pass, and the pass holds the lock.)"""
-        queued = self.store.queued()  # (the workers always: a walk-in may want a pass)
-        new = [job_id for job_id, _seq, _bundle in queued if job_id not in self._specs]
-        return queued, self.store.workers(), self.store.specs(new) if new else {}
-
-    async def _place(
-        self,
-        queued: list[tuple[str, int, str | None]],
-        workers: list[WorkerView],
-        stored: dict[str, dict[str, Any]],
-        started: float,
-    ) -> None:
-        """One pass over a non-empty queue (the lock held)."""
-        # Only workers with a live link: a lost one may still read idle until the group
-        # commit of its OFFLINE lands.
-        # Nor a worker whose INVENTORY is on its way to the store: that write decided what
-        # the worker is free for before this pass, and would overwrite a reservation made now.
-        linked = [
-            v
-            for v in workers
-            if v.inventory.id in self.links and v.inventory.id not in self._recording
-        ]
-        # A walk-in (muster join) serves the window of its job only.
-        views = [v for v in linked if v.inventory.join is None]
-        walk_ins = [v for v in linked if v.inventory.join is not None]
-        jobs = []
-        windowed: dict[str, JobSpec] = {}
-        for job_id, seq, _bundle in queued:
-            spec = self._specs.get(job_id)
-            if spec is None:  # validated once: a stored spec never changes
-                try:
-                    spec = self._specs[job_id] = JobSpec.model_validate(
-                        stored[job_id], strict=False
-                    )
-                except ValueError as exc:  # pydantic's ValidationError is a ValueError
-                    # A stored spec this version no longer accepts: fail that job, place
-                    # the others (it used to stop all placement).
-                    await self.db(
-                        self.store.set_job_state,
-                        job_id,
-                        JobState.FAILED,
-                        f"the stored spec no longer validates ({_first_line(exc)}); "
-                        "fix it and submit the job again",
-                    )
-                    self._forget_fences(job_id)
-                    continue
-            if spec.gang.membership == "window":
-                windowed[job_id] = spec
-                continue
-            jobs.append(QueuedJob(job_id, spec, seq, self._apart.get(job_id)))
-        still = {job_id for job_id, _s, _b in queued}
-        for gone in self._specs.keys() - still:
-            del self._specs[gone]  # cancelled while queued
-        for gone in self._why.keys() - still:
-            del self._why[gone]
-            self._said.pop(gone, None)
-        specs = {j.id: j.spec for j in jobs}
-        bundles = {job_id: bundle for job_id, _seq, bundle in queued}
-        pending: dict[str, str | None] = {}
-        placements: dict[str, Placement] = {}
-        pool = PoolIndex(views)
-        for entry in self.runs.values():  # a private gang's addresses are its own
-            if entry.gang.path is PathClass.PRIVATE and len(entry.inventories) > 1:
-                pool.hold_private(inv.network.private_address for inv in entry.inventories)
-            elif entry.gang.path is PathClass.RELAYED:  # and a relayed one's, its own
-                pool.hold_relayed(inv.advertise_address for inv in entry.inventories)
-        for decision in schedule(jobs, pool, self.supported_paths):
-            outcome = decision.outcome
-            if isinstance(outcome, Placement):
-                placements[decision.job_id] = outcome
-            else:
-                pending[decision.job_id] = outcome.reason
-        # Every gang of the pass reserved in one transaction (each all or nothing).
-        reserved = (
-            await self.db(
-                self.store.reserve_placements,
-                [(job_id, p.worker_ids, p.path.value) for job_id, p in placements.items()],
-            )
-            if placements
-            else {}
-        )
-        for job_id, outcome in placements.items():
-            epoch = reserved[job_id]
-            if isinstance(epoch, PlacementConflict):
-                log.info("placement lost a race: %s", epoch)
-                continue
-            self.metrics.placement.observe(time.perf_counter() - started)
-            self._specs.pop(job_id, None)
-            self._why.pop(job_id, None)
-            self._said.pop(job_id, None)
-            await self.start_placed(job_id, specs[job_id], outcome, epoch.number, bundles[job_id])
-        pending.update(await self.windows.run_pass(windowed, bundles, walk_ins))
-        due = self._why_due(pending)
-        if due:
-            # A gang kept off the private path by another gang's addresses says so in its
-            # GangReady condition too, as Kubernetes writes one, when that starts.
-            changed = [
-                write
-                for job_id, reason in due.items()
-                if (write := self._collision_change(job_id, reason)) is not None
-            ]
-            # With the group commit, not awaited: only the reasons that changed are
-            # written, and only on jobs still queued when it commits.
-            quiet = told_before(self._said, due)
-            self.writer.submit([*changed, WhyPendingWrite(due, quiet)])
-            written = time.monotonic()
-            self._why.update((job_id, (reason, written)) for job_id, reason in due.items())
+        """One scheduler pass (the placer's), under the lock."""
+        await self.placer.run_pass()
 
     async def start_placed(
         self, job_id: str, spec: JobSpec, outcome: Placement, epoch: int, bundle: str | None
     ) -> None:
-        """A reserved gang (``outcome.members[r]`` is node rank r) starts its run (the lock
-        held): the lifecycle's Placed event, and from there on its actions."""
-        entry = RunEntry(GangRun(), spec, list(outcome.members), bundle)
-        self.runs[job_id] = entry
-        self.logs.note_senders(job_id, list(outcome.worker_ids))
-        try:
-            if outcome.path is PathClass.DIRECT:
-                if len(outcome.worker_ids) > MESH_MAX_NODES:
-                    raise BadRequest(
-                        f"the direct path takes at most {MESH_MAX_NODES} members; "
-                        f"this gang has {len(outcome.worker_ids)}"
-                    )
-                entry.mesh = self._free_mesh()
-            if outcome.path is PathClass.RELAYED and len(outcome.members) > 1:
-                self.writer.submit([EventWrite("RelayedPath", _why_relayed(outcome), job_id)])
-            planned = gang_addressing(outcome.path, entry.inventories, 0, entry.mesh)
-            await self._step(
-                entry,
-                Placed(
-                    job=job_id,
-                    epoch=epoch,
-                    workers=tuple(outcome.worker_ids),
-                    path=outcome.path,
-                    port=spec.gang.rendezvous.port,
-                    timeout=spec.timeout or None,
-                    master_addr=planned.master_addr,
-                    probe_seconds=_probe_seconds(spec, entry.inventories),
-                    fail_on_hang=spec.on_hang == "fail",
-                    hang_timeout=spec.hang_timeout,
-                ),
-            )
-        except Exception as exc:  # one gang's trouble does not strand the others
-            self.metrics.internal_errors.labels("supervise").inc()
-            log.exception("job %s: starting its placed gang failed", job_id)
-            if not entry.gang.members:  # never stepped: give its workers back
-                del self.runs[job_id]
-                self.writer.submit(
-                    [
-                        JobStateWrite(job_id, JobState.FAILED, f"starting the gang: {exc}"),
-                        *(ReleaseWrite(w, job_id) for w in outcome.worker_ids),
-                    ]
-                )
-
-    def _collision_change(self, job_id: str, reason: str | None) -> ConditionWrite | None:
-        """GangReady when a waiting job's IPCollision starts (False, IPCollision) or ends
-        while it still waits (False, Pending, with the new reason); else None."""
-        if reason is None:
-            return None  # placed: the run sets its own conditions
-        last = self._why.get(job_id)
-        had = last is not None and last[0] is not None and IP_COLLISION in last[0]
-        has = IP_COLLISION in reason
-        if has and not had:
-            clause = reason[reason.index(IP_COLLISION) :]
-            return ConditionWrite(job_id, "GangReady", False, IP_COLLISION, clause)
-        if had and not has:
-            return ConditionWrite(job_id, "GangReady", False, "Pending", reason[:500])
-        return None
-
-    def _why_due(self, pending: dict[str, str | None]) -> dict[str, str | None]:
-        """The reasons to write now: new kinds at once, moved counts every few seconds."""
-        now = time.monotonic()
-        due: dict[str, str | None] = {}
-        for job_id, reason in pending.items():
-            last = self._why.get(job_id)
-            if last is None or (
-                last[0] != reason
-                and (
-                    reason_gist(last[0]) != reason_gist(reason)
-                    or now - last[1] >= WHY_PENDING_REFRESH_S
-                )
-            ):
-                due[job_id] = reason
-        return due
+        """A reserved gang starts its run (the lock held); see Placer.start_placed."""
+        await self.placer.start_placed(job_id, spec, outcome, epoch, bundle)
 
     # ---- after a restart -----------------------------------------------------------------
 
@@ -1111,35 +890,3 @@ class Controller:
                 ]
             )
         self.request_pass()
-
-
-def _first_line(exc: Exception) -> str:
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-
-
-def _why_relayed(outcome: Placement) -> str:
-    """Why a gang goes through the relays: the members that cannot make a device, and that
-    they share no private network (the scheduler takes relayed only when nothing else fits)."""
-    cannot = [
-        f"{m.id} ({'container-only' if m.network.container_only else 'no WireGuard device'})"
-        for m in outcome.members
-        if not m.network.can_create_device
-    ]
-    networks = {m.network.private_network_id for m in outcome.members}
-    shared = len(networks) == 1 and None not in networks
-    return (
-        "relayed (4x the cost of direct to the scheduler): "
-        + (", ".join(cannot) + " cannot join a direct path" if cannot else "no direct path")
-        + ("" if shared else "; the members share no private network")
-    )
-
-
-def _probe_seconds(spec: JobSpec, members: Sequence[WorkerInventory]) -> float | None:
-    """The spec's probe, for a gang that spans machines (on one host's loopback there is
-    no path to prove). On the relayed path it measures through the relays, as the ranks'
-    traffic will go."""
-    if len(members) < 2 or spec.gang.probe_seconds is None:
-        return None
-    if all(ipaddress.ip_address(m.advertise_address or "127.0.0.1").is_loopback for m in members):
-        return None
-    return spec.gang.probe_seconds

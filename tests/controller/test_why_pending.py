@@ -3,7 +3,7 @@ queue flips it between kinds (the why_pending column always says the latest)."""
 
 from __future__ import annotations
 
-from muster.controller.gangs import told_before
+from muster.controller.placer import told_before
 
 
 def test_a_kind_told_before_is_quiet_and_a_new_one_is_told() -> None:
