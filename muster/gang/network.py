@@ -14,7 +14,7 @@ from muster.gang.actions import (
     SetCondition,
 )
 from muster.gang.events import NetPath, NetReady, NetUp, ProbeDone, ProbePair, ProbeReady
-from muster.gang.run import GangRun, Member, replace
+from muster.gang.run import GangRun, Member, ProbeFailure, replace
 from muster.gang.turn import RENDEZVOUS_TIMEOUT_S, Turn, fail, fence, with_everyone
 from muster.plan import MESH_MTU
 from muster.spec import JobState, PathClass
@@ -122,32 +122,55 @@ def probe_done(turn: Turn, event: ProbeDone) -> None:
         fail(turn, JobState.FAILED, cause)
         return
     turn.update(member.node, probed=(*(member.probed or ()), *event.pairs))
-    turn.run = replace(turn.run, probe_pending=turn.run.probe_pending - {member.node})
+    failed = [*run.probe_failed, *_failures(run, member, event)]
+    pending = turn.run.probe_pending - {member.node}
+    turn.run = replace(turn.run, probe_pending=pending, probe_failed=tuple(failed))
+    if pending:
+        return  # the round's other pairs are still measuring
+    if failed:
+        _fence_failed(turn, failed)
+    else:
+        _next_probe_round(turn)
+
+
+def _failures(run: GangRun, member: Member, event: ProbeDone) -> list[ProbeFailure]:
+    found = []
     for pair in event.pairs:
         peer = run.members[pair.node]
         who = (
             f"node{member.node} (worker {member.worker}) to node{pair.node} (worker {peer.worker})"
         )
+        nodes = (member.node, pair.node)
         if pair.error is not None or pair.connects < 3:
             cause = f"the probe failed from {who}: {pair.error}"
             if run.path is PathClass.DIRECT and pair.connects >= 3 and _above(member, peer):
                 # Connected, then stalled, with packets larger than any network is sure to
                 # carry: the next epoch tries 1280 before the pair is kept apart.
                 cause += f" (their devices' MTU: {member.mtu or '?'} and {peer.mtu or '?'})"
-                fence(turn, cause, [], "ProbeFailed", mtu=MESH_MTU)
-                return
-            fence(turn, cause, [(member.node, pair.node)], "ProbeFailed")
-            return
-        if run.path is PathClass.DIRECT and pair.via is not None and pair.via != event.device:
+                found.append(ProbeFailure(cause, nodes, "ProbeFailed", smaller=True))
+            else:
+                found.append(ProbeFailure(cause, nodes, "ProbeFailed"))
+        elif run.path is PathClass.DIRECT and pair.via is not None and pair.via != event.device:
             # Read from the data plane: the pair's traffic did not take the gang's network.
             cause = (
                 f"the probe's traffic from {who} left by {pair.via}, not {event.device}: "
                 "not the direct path"
             )
-            fence(turn, cause, [(member.node, pair.node)], "PathNotDirect")
-            return
-    if not turn.run.probe_pending:
-        _next_probe_round(turn)
+            found.append(ProbeFailure(cause, nodes, "PathNotDirect"))
+    return found
+
+
+def _fence_failed(turn: Turn, failed: list[ProbeFailure]) -> None:
+    """Fence the epoch for every pair of the round that failed: each kept apart, except
+    those that stalled above 1280 (the next epoch tries smaller packets first)."""
+    first = failed[0]
+    cause = first.cause
+    if len(failed) > 1:
+        others = len(failed) - 1
+        cause += f"; and {others} more pair{'s' if others > 1 else ''} of the round failed"
+    apart = [f.pair for f in failed if not f.smaller]
+    smaller = any(f.smaller for f in failed)
+    fence(turn, cause, apart, first.reason, mtu=MESH_MTU if smaller else None)
 
 
 def _above(a: Member, b: Member) -> bool:

@@ -111,6 +111,16 @@ class MemberSnapshot:
 
 
 @dataclass(frozen=True)
+class ProbeFailure:
+    """A pair the probe found wanting: why, and what the next epoch does about it."""
+
+    cause: str
+    pair: tuple[int, int]  # (node, peer)
+    reason: str  # the NetworkQualified reason: ProbeFailed or PathNotDirect
+    smaller: bool = False  # stalled above 1280 on the direct path: try 1280, keep it together
+
+
+@dataclass(frozen=True)
 class GangRun:
     """One epoch of one job's gang. ``GangRun()`` is the run before ``Placed``."""
 
@@ -132,6 +142,9 @@ class GangRun:
     probe_seconds: float | None = None  # None: this run does not probe
     probe_round: int = -1  # the round of disjoint pairs under way (network.probe_rounds)
     probe_pending: frozenset[int] = frozenset()  # nodes whose PROBE_DONE of it is awaited
+    # The round's failed pairs so far: the epoch is fenced once the round's reports are in,
+    # with every failed pair at once (not one pair an epoch).
+    probe_failed: tuple[ProbeFailure, ...] = ()
     fenced: bool = False  # the epoch ended before any rank started; the job is queued again
     # NetworkDegraded: some running pair lost its direct path (None: not known, after a
     # controller restart, until the agents say their paths again)

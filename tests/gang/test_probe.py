@@ -266,3 +266,47 @@ def test_a_direct_pair_above_1280_that_connects_then_stalls_is_placed_again_with
     _, actions = _direct_pair_probed((1420, 1420), refused)
     assert KeepApart(PathClass.DIRECT, (("w0", "w1"),)) in actions
     assert not [a for a in actions if isinstance(a, SmallerPackets)]
+
+
+def _four_probing() -> GangRun:
+    """4 members, endpoints open: round 1 measures 0-3 and 1-2 at once."""
+    workers = ("w0", "w1", "w2", "w3")
+    run, _ = step(GangRun(), Placed("job1", 1, workers, PathClass.PRIVATE, probe_seconds=1.0), 0)
+    for node in range(4):
+        run, _ = step(run, ProbeReady(node, 40000 + node), 1)
+    return run
+
+
+def test_every_pair_that_fails_in_a_round_is_kept_apart_in_one_fence() -> None:
+    """Two pairs of one round fail: the epoch is fenced once the round's reports are in,
+    keeping both apart (one epoch for both, not one each of the job's few)."""
+    run = _four_probing()
+    refused = ProbePair(3, 0, error="connection refused")
+    run, actions = step(run, ProbeDone(0, (refused,)), 2)
+    assert actions == ()  # 1-2 is still measuring
+    stalled = ProbePair(2, 1, error="1 of 3 connections (TimeoutError)")
+    run, actions = step(run, ProbeDone(1, (stalled,)), 3)
+    assert KeepApart(PathClass.PRIVATE, (("w0", "w3"), ("w1", "w2"))) in actions
+    state = actions[-1]
+    assert isinstance(state, SetJobState)
+    assert state.state is J.QUEUED
+    assert state.reason.startswith(
+        "epoch 1 fenced: the probe failed from node0 (worker w0) to node3 (worker w3): "
+        "connection refused; and 1 more pair of the round failed"
+    ), state.reason
+    assert run.fenced
+
+
+def test_a_failed_pair_beside_one_that_never_reports_is_named_at_the_deadline() -> None:
+    run = _four_probing()
+    run, actions = step(run, ProbeDone(0, (ProbePair(3, 0, error="connection refused"),)), 2)
+    assert actions == ()
+    assert run.rendezvous_deadline is not None
+    run, actions = step(run, Tick(), run.rendezvous_deadline + 1)
+    apart = next(a for a in actions if isinstance(a, KeepApart))
+    assert ("w0", "w3") in apart.pairs  # the refused pair, and node1 apart from everyone
+    assert ("w0", "w1") in apart.pairs
+    state = actions[-1]
+    assert isinstance(state, SetJobState)
+    assert "node1 (worker w1) did not report" in state.reason
+    assert "to node3 (worker w3): connection refused" in state.reason
