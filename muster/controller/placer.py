@@ -226,6 +226,8 @@ class Placer:
                     probe_seconds=_probe_seconds(spec, entry.inventories),
                     fail_on_hang=spec.on_hang == "fail",
                     hang_timeout=spec.hang_timeout,
+                    # An epoch fenced for its packets' size alone is not counted.
+                    spare_epochs=1 if job_id in self.c._packets else 0,
                 ),
             )
         except Exception as exc:  # one gang's trouble does not strand the others

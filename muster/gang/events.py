@@ -26,6 +26,9 @@ class Placed:
     probe_seconds: float | None = None  # the probe's throughput sample; None: no probe
     fail_on_hang: bool = False  # spec.on_hang == "fail"
     hang_timeout: int | None = None  # spec.hang_timeout (for the Hung condition's message)
+    # Network epochs the job may take beyond MAX_NETWORK_EPOCHS: 1 once an epoch was fenced
+    # for its packets' size alone (that fence is the path's, not a failure of the job's).
+    spare_epochs: int = 0
 
 
 @dataclass(frozen=True)

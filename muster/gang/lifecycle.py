@@ -133,6 +133,7 @@ def _placed(turn: Turn, event: Placed) -> None:
         probe_seconds=event.probe_seconds if len(event.workers) > 1 else None,
         fail_on_hang=event.fail_on_hang,
         hang_timeout=event.hang_timeout,
+        spare_epochs=event.spare_epochs,
     )
     if event.path in BUILT_PATHS and len(event.workers) > 1:
         # The gang's own network first: every member makes a key (and on the direct path a

@@ -146,6 +146,7 @@ class GangRun:
     # with every failed pair at once (not one pair an epoch).
     probe_failed: tuple[ProbeFailure, ...] = ()
     fenced: bool = False  # the epoch ended before any rank started; the job is queued again
+    spare_epochs: int = 0  # Placed's: network epochs beyond MAX_NETWORK_EPOCHS
     # NetworkDegraded: some running pair lost its direct path (None: not known, after a
     # controller restart, until the agents say their paths again)
     degraded: bool | None = False

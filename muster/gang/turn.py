@@ -103,7 +103,8 @@ def fence(
     """This epoch's network failed before any rank started: fence the epoch (every device
     and probe endpoint comes down, the workers go back) and queue the job again, with the
     failed pairs kept apart on this path, or (``mtu``) its direct gangs' packets made that
-    small. Not billed: nothing of the user's ran. After MAX_NETWORK_EPOCHS such epochs, or
+    small. Not billed: nothing of the user's ran. After MAX_NETWORK_EPOCHS such epochs (and
+    the run's spare ones: an epoch fenced for its packets' size alone is not counted), or
     once a member was assigned, the job fails."""
     run = turn.run
     if run.is_over:
@@ -111,7 +112,7 @@ def fence(
     path = run.path or PathClass.PRIVATE
     if network:  # (not for a lost member or a restart: the network was not found wanting)
         turn.emit(SetCondition("NetworkQualified", False, reason, cause))
-    if run.epoch >= MAX_NETWORK_EPOCHS or any(m.assigned for m in run.members):
+    if run.epoch >= MAX_NETWORK_EPOCHS + run.spare_epochs or any(m.assigned for m in run.members):
         fail(turn, JobState.FAILED, f"{cause} (epoch {run.epoch}; not placed again)")
         return
     kept = sorted(

@@ -103,3 +103,34 @@ def test_a_stalled_pair_makes_the_jobs_next_gangs_offer_1280_also_after_a_restar
     store.set_job_state(job, JobState.CANCELLED, "by the test")
     assert asyncio.run(restarted()) == {}  # (a job over asks nothing of its next gangs)
     store.db.dispose()
+
+
+def test_a_job_whose_epoch_was_fenced_for_its_packets_gets_that_epoch_back(
+    tmp_path: Path,
+) -> None:
+    """The MTU fence is the path's doing, not the job's: a job with one is placed with a
+    spare network epoch, so a later failure still gets MAX_NETWORK_EPOCHS of its own."""
+    store, job = a_region(tmp_path)
+
+    async def spare(packets: dict[str, int]) -> int:
+        controller = Controller(store, Metrics(), 15.0, Tickets())
+        controller.links.update({w: FakeLink(w) for w in WORKERS})  # type: ignore[arg-type]
+        controller._packets.update(packets)
+        writer = asyncio.create_task(controller.writer.run())
+        try:
+            await controller.scheduler_pass()
+            await controller.writer.drain()
+            return controller.runs[job].gang.spare_epochs
+        finally:
+            writer.cancel()
+
+    def queued_again() -> None:
+        for w in WORKERS:
+            store.release_worker(w, job)
+        store.set_job_state(job, JobState.QUEUED, "placed again by the test")
+
+    queued_again()
+    assert asyncio.run(spare({})) == 0
+    queued_again()
+    assert asyncio.run(spare({job: 1280})) == 1
+    store.db.dispose()

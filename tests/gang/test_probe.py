@@ -24,6 +24,7 @@ from muster.gang import (
     Tick,
     step,
 )
+from muster.gang.turn import MAX_NETWORK_EPOCHS
 from muster.spec import JobState, PathClass
 
 J = JobState
@@ -310,3 +311,21 @@ def test_a_failed_pair_beside_one_that_never_reports_is_named_at_the_deadline() 
     assert isinstance(state, SetJobState)
     assert "node1 (worker w1) did not report" in state.reason
     assert "to node3 (worker w3): connection refused" in state.reason
+
+
+def test_a_spare_epoch_lets_the_last_counted_epoch_be_placed_again() -> None:
+    """At MAX_NETWORK_EPOCHS a fenced epoch fails the job, unless the run has a spare (its
+    job had an epoch fenced for its packets' size alone)."""
+    bad = ProbePair(2, 1, error="1 of 3 connections (TimeoutError)")
+    states = []
+    for spare in (0, 1):
+        placed = Placed(
+            "job1", MAX_NETWORK_EPOCHS, W, PathClass.PRIVATE, probe_seconds=1.0,
+            spare_epochs=spare,
+        )  # fmt: skip
+        run, _ = step(GangRun(), placed, 0)
+        for node in range(3):
+            run, _ = step(run, ProbeReady(node, 40000 + node), 1)
+        run, actions = step(run, ProbeDone(1, (bad,)), 2)
+        states.append(next(a.state for a in actions if isinstance(a, SetJobState)))
+    assert states == [J.FAILED, J.QUEUED]
