@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import re
 import time
@@ -537,6 +538,8 @@ class Controller:
                     )
                     self._forget_fences(job_id)
                     continue
+                if job_id in self._packets:  # (as Placer.start_placed gives it)
+                    entry.gang = dataclasses.replace(entry.gang, spare_epochs=1)
                 self.runs[job_id] = entry
                 self.logs.note_senders(job_id, [m.worker_id for m in rec.members])
                 await self._step(entry, ControllerRestarted(now + self.restart_grace))

@@ -118,7 +118,7 @@ def probe_done(turn: Turn, event: ProbeDone) -> None:
         cause = (
             f"node{member.node} (worker {member.worker}) reported a probe of nodes "
             f"{sorted(reported)}, not of {expected}"
-        )
+        ) + "".join(f"; {f.cause}" for f in run.probe_failed)
         fail(turn, JobState.FAILED, cause)
         return
     turn.update(member.node, probed=(*(member.probed or ()), *event.pairs))
@@ -163,14 +163,7 @@ def _failures(run: GangRun, member: Member, event: ProbeDone) -> list[ProbeFailu
 def _fence_failed(turn: Turn, failed: list[ProbeFailure]) -> None:
     """Fence the epoch for every pair of the round that failed: each kept apart, except
     those that stalled above 1280 (the next epoch tries smaller packets first)."""
-    first = failed[0]
-    cause = first.cause
-    if len(failed) > 1:
-        others = len(failed) - 1
-        cause += f"; and {others} more pair{'s' if others > 1 else ''} of the round failed"
-    apart = [f.pair for f in failed if not f.smaller]
-    smaller = any(f.smaller for f in failed)
-    fence(turn, cause, apart, first.reason, mtu=MESH_MTU if smaller else None)
+    fence(turn, failed[0].cause, [], failed[0].reason)  # (fence adds the round's failures)
 
 
 def _above(a: Member, b: Member) -> bool:

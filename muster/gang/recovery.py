@@ -19,7 +19,6 @@ from muster.gang.turn import (
     fence,
     with_everyone,
 )
-from muster.plan import MESH_MTU
 from muster.spec import JobState, MemberState, PathClass
 
 _BEFORE_RENDEZVOUS = (JobState.PLACING, JobState.NETWORKING)
@@ -131,7 +130,6 @@ def tick(turn: Turn) -> None:
                 for m in turn.run.members
                 if m.probe_port is None or m.node in turn.run.probe_pending
             ]
-            failed = turn.run.probe_failed  # pairs of the round that reported failing
             fence(
                 turn,
                 f"the probe did not finish within {probe_budget(turn.run):.0f}s: "
@@ -139,12 +137,9 @@ def tick(turn: Turn) -> None:
                     f"node{m.node} (worker {m.worker}) "
                     + ("did not open its endpoint" if m.probe_port is None else "did not report")
                     for m in slow
-                )
-                + "".join(f"; {f.cause}" for f in failed),
-                [pair for m in slow for pair in with_everyone(turn.run, m.node)]
-                + [f.pair for f in failed if not f.smaller],
+                ),
+                [pair for m in slow for pair in with_everyone(turn.run, m.node)],
                 "ProbeFailed",
-                mtu=MESH_MTU if any(f.smaller for f in failed) else None,
             )
         elif turn.run.job_state is JobState.NETWORKING:
             late = [m for m in turn.run.members if not m.net_up]

@@ -17,6 +17,7 @@ from muster.gang.actions import (
     SmallerPackets,
 )
 from muster.gang.run import GangRun, Member, replace
+from muster.plan import MESH_MTU
 from muster.spec import JobState, MemberState, PathClass
 
 _FORWARD = (
@@ -109,10 +110,26 @@ def fence(
     run = turn.run
     if run.is_over:
         return
+    # Pairs the probe found wanting in this round, whatever fences the epoch now (a member
+    # lost while the round measured, its deadline): none of what they showed is lost.
+    failed = run.probe_failed
+    if failed:
+        pairs = [*pairs, *(f.pair for f in failed if not f.smaller)]
+        if mtu is None and any(f.smaller for f in failed):
+            mtu = MESH_MTU
+        if failed[0].cause not in cause:
+            cause += f"; {failed[0].cause}"
+        if len(failed) > 1:
+            others = len(failed) - 1
+            cause += f"; and {others} more pair{'s' if others > 1 else ''} of the round failed"
     path = run.path or PathClass.PRIVATE
     if network:  # (not for a lost member or a restart: the network was not found wanting)
         turn.emit(SetCondition("NetworkQualified", False, reason, cause))
-    if run.epoch >= MAX_NETWORK_EPOCHS + run.spare_epochs or any(m.assigned for m in run.members):
+    # An epoch fenced for its packets' size alone is not counted: the job's next gangs get
+    # a spare epoch (Placed.spare_epochs), and so does this one if it has none yet.
+    alone = mtu is not None and not pairs and run.spare_epochs == 0
+    budget = MAX_NETWORK_EPOCHS + run.spare_epochs + (1 if alone else 0)
+    if run.epoch >= budget or any(m.assigned for m in run.members):
         fail(turn, JobState.FAILED, f"{cause} (epoch {run.epoch}; not placed again)")
         return
     kept = sorted(

@@ -96,10 +96,21 @@ def test_a_stalled_pair_makes_the_jobs_next_gangs_offer_1280_also_after_a_restar
 
     async def restarted() -> dict[str, int]:
         controller = Controller(store, Metrics(), 15.0, Tickets())
+        writer = asyncio.create_task(controller.writer.run())
         await controller.restore_runs()  # what a restarted controller places by
+        await controller.writer.drain()
+        writer.cancel()
         return controller._packets
 
     assert asyncio.run(restarted()) == {job: 1280}
+    # The restart fenced epoch 2 (mid-network). Epoch 3, the last counted one, is caught
+    # mid-network by another restart: it is rebuilt with the spare epoch its placement
+    # had, and placed again rather than failed.
+    assert store.job(job).state == JobState.QUEUED
+    store.reserve_placement(job, list(WORKERS), "direct")
+    store.set_job_state(job, JobState.NETWORKING, "epoch 3: by the test")
+    assert asyncio.run(restarted()) == {job: 1280}
+    assert store.job(job).state == JobState.QUEUED, store.job(job).root_cause
     store.set_job_state(job, JobState.CANCELLED, "by the test")
     assert asyncio.run(restarted()) == {}  # (a job over asks nothing of its next gangs)
     store.db.dispose()

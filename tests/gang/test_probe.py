@@ -7,6 +7,7 @@ from __future__ import annotations
 from muster.gang import (
     GangRun,
     KeepApart,
+    LinkLost,
     NetReady,
     NetUp,
     Placed,
@@ -227,9 +228,9 @@ def test_the_direct_path_is_the_members_own_device_whatever_its_name() -> None:
 
 
 def _direct_pair_probed(
-    mtus: tuple[int | None, int | None], bad: ProbePair
+    mtus: tuple[int | None, int | None], bad: ProbePair, epoch: int = 1
 ) -> tuple[GangRun, tuple[object, ...]]:
-    placed = Placed("job1", 1, W[:2], PathClass.DIRECT, probe_seconds=1.0)
+    placed = Placed("job1", epoch, W[:2], PathClass.DIRECT, probe_seconds=1.0)
     run, _ = step(GangRun(), placed, 0)
     for node in (0, 1):
         run, _ = step(run, NetReady(node, f"k{node}=", f"10.0.0.{node + 1}:1", mtu=mtus[node]), 0)
@@ -329,3 +330,26 @@ def test_a_spare_epoch_lets_the_last_counted_epoch_be_placed_again() -> None:
         run, actions = step(run, ProbeDone(1, (bad,)), 2)
         states.append(next(a.state for a in actions if isinstance(a, SetJobState)))
     assert states == [J.FAILED, J.QUEUED]
+
+
+def test_a_pair_failed_in_the_round_is_kept_apart_when_a_lost_member_fences_it() -> None:
+    """A failure the round collected is not lost when something else ends the epoch first."""
+    run = _four_probing()
+    run, actions = step(run, ProbeDone(0, (ProbePair(3, 0, error="connection refused"),)), 2)
+    assert actions == ()
+    run, actions = step(run, LinkLost("w1", "its link dropped"), 3)
+    apart = next(a for a in actions if isinstance(a, KeepApart))
+    assert ("w0", "w3") in apart.pairs
+    fenced = next(a for a in actions if isinstance(a, RecordEvent) and a.kind == "EpochFenced")
+    assert "to node3 (worker w3): connection refused" in fenced.message
+
+
+def test_a_stall_above_1280_in_the_last_counted_epoch_still_gets_its_try_at_1280() -> None:
+    stalled = ProbePair(1, 3, error="measuring 100.64.0.2:40001: TimeoutError('timed out')")
+    run, actions = _direct_pair_probed((1420, 1420), stalled, epoch=MAX_NETWORK_EPOCHS)
+    assert SmallerPackets(1280) in actions
+    assert run.job_state is J.QUEUED
+    # ... but a pair kept apart there is the job's own failure: it ends the job.
+    refused = ProbePair(1, 0, error="0 of 3 connections (refused)")
+    run, _ = _direct_pair_probed((1420, 1420), refused, epoch=MAX_NETWORK_EPOCHS)
+    assert run.job_state is J.FAILED
