@@ -112,7 +112,12 @@ def fence(
         return
     # Pairs the probe found wanting in this round, whatever fences the epoch now (a member
     # lost while the round measured, its deadline): none of what they showed is lost.
-    failed = run.probe_failed
+    # (Not a pair with a member lost since: its stall was that outage, not packet size, and
+    # its worker is offline. The causes the job cannot outlive are named first.)
+    failed = sorted(
+        (f for f in run.probe_failed if not any(run.members[n].lost for n in f.pair)),
+        key=lambda f: f.smaller,
+    )
     if failed:
         pairs = [*pairs, *(f.pair for f in failed if not f.smaller)]
         if mtu is None and any(f.smaller for f in failed):
@@ -127,7 +132,7 @@ def fence(
         turn.emit(SetCondition("NetworkQualified", False, reason, cause))
     # An epoch fenced for its packets' size alone is not counted: the job's next gangs get
     # a spare epoch (Placed.spare_epochs), and so does this one if it has none yet.
-    alone = mtu is not None and not pairs and run.spare_epochs == 0
+    alone = network and mtu is not None and not pairs and run.spare_epochs == 0
     budget = MAX_NETWORK_EPOCHS + run.spare_epochs + (1 if alone else 0)
     if run.epoch >= budget or any(m.assigned for m in run.members):
         fail(turn, JobState.FAILED, f"{cause} (epoch {run.epoch}; not placed again)")

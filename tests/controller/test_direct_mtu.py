@@ -109,8 +109,11 @@ def test_a_stalled_pair_makes_the_jobs_next_gangs_offer_1280_also_after_a_restar
     assert store.job(job).state == JobState.QUEUED
     store.reserve_placement(job, list(WORKERS), "direct")
     store.set_job_state(job, JobState.NETWORKING, "epoch 3: by the test")
-    assert asyncio.run(restarted()) == {job: 1280}
+    packets = asyncio.run(restarted())
     assert store.job(job).state == JobState.QUEUED, store.job(job).root_cause
+    fences = [e.data["epoch"] for e in store.events(job) if e.kind == "EpochFenced"]
+    assert fences == [1, 2, 3]
+    assert packets == {job: 1280}
     store.set_job_state(job, JobState.CANCELLED, "by the test")
     assert asyncio.run(restarted()) == {}  # (a job over asks nothing of its next gangs)
     store.db.dispose()

@@ -353,3 +353,37 @@ def test_a_stall_above_1280_in_the_last_counted_epoch_still_gets_its_try_at_1280
     refused = ProbePair(1, 0, error="0 of 3 connections (refused)")
     run, _ = _direct_pair_probed((1420, 1420), refused, epoch=MAX_NETWORK_EPOCHS)
     assert run.job_state is J.FAILED
+
+
+def test_a_member_lost_in_the_last_counted_epoch_ends_the_job_whatever_the_round_saw() -> None:
+    """A stall collected in the round does not turn a lost member's fence into a packet-size
+    one: that fence counts (the job fails at its last epoch), and the lost member's stall
+    asks for no smaller packets."""
+    placed = Placed("job1", MAX_NETWORK_EPOCHS, W, PathClass.DIRECT, probe_seconds=1.0)
+    run, _ = step(GangRun(), placed, 0)
+    for node in range(3):
+        run, _ = step(run, NetReady(node, f"k{node}=", f"10.0.0.{node + 1}:1", mtu=1420), 0)
+    for node in range(3):
+        run, _ = step(run, NetUp(node), 0)
+    for node in range(3):
+        run, _ = step(run, ProbeReady(node, 40000 + node), 1)
+    # Round 1 of 3 nodes is the pair 1-2: node1 reports node2 stalled.
+    stalled = ProbePair(2, 3, error="measuring 100.64.0.3:40002: TimeoutError('timed out')")
+    run, actions = step(run, ProbeDone(1, (stalled,)), 2)
+    assert isinstance(actions[-1], SetJobState)  # (one pair a round: the round is over)
+    assert actions[-1].state is J.QUEUED  # a stall alone: its try at 1280, not counted
+    # The same at the last epoch, but node2 is lost before the round ends: counted.
+    four = ("w0", "w1", "w2", "w3")
+    placed = Placed("job1", MAX_NETWORK_EPOCHS, four, PathClass.DIRECT, probe_seconds=1.0)
+    run, _ = step(GangRun(), placed, 0)
+    for node in range(4):
+        run, _ = step(run, NetReady(node, f"k{node}=", f"10.0.0.{node + 1}:1", mtu=1420), 0)
+    for node in range(4):
+        run, _ = step(run, NetUp(node), 0)
+    for node in range(4):
+        run, _ = step(run, ProbeReady(node, 40000 + node), 1)
+    run, actions = step(run, ProbeDone(1, (stalled,)), 2)  # 1-2 stalled; 0-3 measuring
+    assert actions == ()
+    run, actions = step(run, LinkLost("w2", "its link dropped"), 3)
+    assert run.job_state is J.FAILED
+    assert not [a for a in actions if isinstance(a, SmallerPackets)]
