@@ -163,7 +163,8 @@ def _failures(run: GangRun, member: Member, event: ProbeDone) -> list[ProbeFailu
 def _fence_failed(turn: Turn, failed: list[ProbeFailure]) -> None:
     """Fence the epoch for every pair of the round that failed: each kept apart, except
     those that stalled above 1280 (the next epoch tries smaller packets first)."""
-    fence(turn, failed[0].cause, [], failed[0].reason)  # (fence adds the round's failures)
+    first = min(failed, key=lambda f: f.smaller)  # (as fence names them: the job's own first)
+    fence(turn, first.cause, [], first.reason)  # (fence adds the round's failures)
 
 
 def _above(a: Member, b: Member) -> bool:

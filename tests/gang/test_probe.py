@@ -387,3 +387,27 @@ def test_a_member_lost_in_the_last_counted_epoch_ends_the_job_whatever_the_round
     run, actions = step(run, LinkLost("w2", "its link dropped"), 3)
     assert run.job_state is J.FAILED
     assert not [a for a in actions if isinstance(a, SmallerPackets)]
+
+
+def test_a_round_with_a_stall_and_a_refusal_names_the_refusal_and_counts_the_stall() -> None:
+    four = ("w0", "w1", "w2", "w3")
+    placed = Placed("job1", 1, four, PathClass.DIRECT, probe_seconds=1.0)
+    run, _ = step(GangRun(), placed, 0)
+    for node in range(4):
+        run, _ = step(run, NetReady(node, f"k{node}=", f"10.0.0.{node + 1}:1", mtu=1420), 0)
+    for node in range(4):
+        run, _ = step(run, NetUp(node), 0)
+    for node in range(4):
+        run, _ = step(run, ProbeReady(node, 40000 + node), 1)
+    stalled = ProbePair(3, 3, error="measuring: TimeoutError('timed out')")
+    refused = ProbePair(2, 0, error="connection refused")
+    run, _ = step(run, ProbeDone(0, (stalled,)), 2)
+    run, actions = step(run, ProbeDone(1, (refused,)), 3)
+    assert SmallerPackets(1280) in actions
+    assert KeepApart(PathClass.DIRECT, (("w1", "w2"),)) in actions
+    state = actions[-1]
+    assert isinstance(state, SetJobState)
+    assert state.reason.startswith(
+        "epoch 1 fenced: the probe failed from node1 (worker w1) to node2 (worker w2): "
+        "connection refused; and 1 more pair of the round failed; placing"
+    ), state.reason
