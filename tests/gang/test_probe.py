@@ -270,11 +270,27 @@ def test_a_direct_pair_above_1280_that_connects_then_stalls_is_placed_again_with
     assert not [a for a in actions if isinstance(a, SmallerPackets)]
 
 
+FOUR = ("w0", "w1", "w2", "w3")
+
+
 def _four_probing() -> GangRun:
     """4 members, endpoints open: round 1 measures 0-3 and 1-2 at once."""
-    workers = ("w0", "w1", "w2", "w3")
-    run, _ = step(GangRun(), Placed("job1", 1, workers, PathClass.PRIVATE, probe_seconds=1.0), 0)
+    run, _ = step(GangRun(), Placed("job1", 1, FOUR, PathClass.PRIVATE, probe_seconds=1.0), 0)
     for node in range(4):
+        run, _ = step(run, ProbeReady(node, 40000 + node), 1)
+    return run
+
+
+def _direct_probing(workers: tuple[str, ...], epoch: int) -> GangRun:
+    """``workers`` on the direct path at ``epoch``, devices at MTU 1420, endpoints open."""
+    placed = Placed("job1", epoch, workers, PathClass.DIRECT, probe_seconds=1.0)
+    run, _ = step(GangRun(), placed, 0)
+    nodes = range(len(workers))
+    for node in nodes:
+        run, _ = step(run, NetReady(node, f"k{node}=", f"10.0.0.{node + 1}:1", mtu=1420), 0)
+    for node in nodes:
+        run, _ = step(run, NetUp(node), 0)
+    for node in nodes:
         run, _ = step(run, ProbeReady(node, 40000 + node), 1)
     return run
 
@@ -359,29 +375,14 @@ def test_a_member_lost_in_the_last_counted_epoch_ends_the_job_whatever_the_round
     """A stall collected in the round does not turn a lost member's fence into a packet-size
     one: that fence counts (the job fails at its last epoch), and the lost member's stall
     asks for no smaller packets."""
-    placed = Placed("job1", MAX_NETWORK_EPOCHS, W, PathClass.DIRECT, probe_seconds=1.0)
-    run, _ = step(GangRun(), placed, 0)
-    for node in range(3):
-        run, _ = step(run, NetReady(node, f"k{node}=", f"10.0.0.{node + 1}:1", mtu=1420), 0)
-    for node in range(3):
-        run, _ = step(run, NetUp(node), 0)
-    for node in range(3):
-        run, _ = step(run, ProbeReady(node, 40000 + node), 1)
+    run = _direct_probing(W, MAX_NETWORK_EPOCHS)
     # Round 1 of 3 nodes is the pair 1-2: node1 reports node2 stalled.
     stalled = ProbePair(2, 3, error="measuring 100.64.0.3:40002: TimeoutError('timed out')")
     run, actions = step(run, ProbeDone(1, (stalled,)), 2)
     assert isinstance(actions[-1], SetJobState)  # (one pair a round: the round is over)
     assert actions[-1].state is J.QUEUED  # a stall alone: its try at 1280, not counted
     # The same at the last epoch, but node2 is lost before the round ends: counted.
-    four = ("w0", "w1", "w2", "w3")
-    placed = Placed("job1", MAX_NETWORK_EPOCHS, four, PathClass.DIRECT, probe_seconds=1.0)
-    run, _ = step(GangRun(), placed, 0)
-    for node in range(4):
-        run, _ = step(run, NetReady(node, f"k{node}=", f"10.0.0.{node + 1}:1", mtu=1420), 0)
-    for node in range(4):
-        run, _ = step(run, NetUp(node), 0)
-    for node in range(4):
-        run, _ = step(run, ProbeReady(node, 40000 + node), 1)
+    run = _direct_probing(FOUR, MAX_NETWORK_EPOCHS)
     run, actions = step(run, ProbeDone(1, (stalled,)), 2)  # 1-2 stalled; 0-3 measuring
     assert actions == ()
     run, actions = step(run, LinkLost("w2", "its link dropped"), 3)
@@ -390,15 +391,7 @@ def test_a_member_lost_in_the_last_counted_epoch_ends_the_job_whatever_the_round
 
 
 def test_a_round_with_a_stall_and_a_refusal_names_the_refusal_and_counts_the_stall() -> None:
-    four = ("w0", "w1", "w2", "w3")
-    placed = Placed("job1", 1, four, PathClass.DIRECT, probe_seconds=1.0)
-    run, _ = step(GangRun(), placed, 0)
-    for node in range(4):
-        run, _ = step(run, NetReady(node, f"k{node}=", f"10.0.0.{node + 1}:1", mtu=1420), 0)
-    for node in range(4):
-        run, _ = step(run, NetUp(node), 0)
-    for node in range(4):
-        run, _ = step(run, ProbeReady(node, 40000 + node), 1)
+    run = _direct_probing(FOUR, 1)
     stalled = ProbePair(3, 3, error="measuring: TimeoutError('timed out')")
     refused = ProbePair(2, 0, error="connection refused")
     run, _ = step(run, ProbeDone(0, (stalled,)), 2)
