@@ -37,6 +37,16 @@ def cluster() -> Iterator[LocalCluster]:
         yield c
 
 
+@pytest.fixture(autouse=True)
+def boxes_leave(cluster: LocalCluster) -> Iterator[None]:
+    """Every box a test walked in is stopped when it ends, passed or failed: a persistent box
+    left behind would walk into the next test's window and change its world size."""
+    before = set(cluster.procs)
+    yield
+    for name in set(cluster.procs) - before:
+        cluster.stop(name)
+
+
 def source(tmp_path: Path) -> tuple[Path, Path]:
     """A training tree, and a job file that is not in it."""
     tree = tmp_path / "src"
@@ -73,8 +83,11 @@ def muster(cluster: LocalCluster, *args: str) -> subprocess.CompletedProcess[str
 def ran(cluster: LocalCluster, job: str) -> list[str]:
     api = cluster.client()
     done = wait_state(api, job, timeout=180)
-    assert done["state"] == "succeeded", done["root_cause"]
-    return sorted(ln["text"] for ln in all_lines(api, job) if ln["origin"] == "rank")
+    lines = all_lines(api, job)
+    if done["state"] != "succeeded":  # every node's lines, not only the first to fail
+        told = "\n".join(f"{ln['origin']} {ln['rank']}: {ln['text']}" for ln in lines)
+        raise AssertionError(f"{job} {done['state']}: {done['root_cause']}\n{told}")
+    return sorted(ln["text"] for ln in lines if ln["origin"] == "rank")
 
 
 def test_a_persistent_fleet_walks_into_each_published_run(

@@ -29,9 +29,11 @@ def test_cadence_gives_the_fast_rank_more_batches(cadence: list[dict[str, Any]])
     # Rank 1 is three times slower; once timings are in, the fast rank ranges ahead (in
     # lockstep the counts would be equal). Under load on 2 cores the measured ratio sinks
     # towards 2x, so the bounds leave room for noise, not for lockstep.
-    # (each epoch's last window is cut to the batches left, [1, 1] for 2: left out)
+    # (the first window has no timings yet: equal shares; each epoch's last window is cut to
+    # the batches left, [1, 1] for 2: both left out. Under load a window can span most of an
+    # epoch, so every other window counts, not only those after the second.)
     windows = fast["windows"]
-    later = [w["counts"] for i, w in enumerate(windows) if i >= 2 and i + 1 < len(windows)
+    later = [w["counts"] for i, w in enumerate(windows) if i >= 1 and i + 1 < len(windows)
              and windows[i + 1]["epoch"] == w["epoch"]]  # fmt: skip
     assert later, windows
     assert all(c0 > c1 for c0, c1 in later if c1 > 0), later
