@@ -35,6 +35,35 @@ def terminate(procs: list[psutil.Process], grace: float) -> None:
     psutil.wait_procs(alive, timeout=grace)
 
 
+def _children_files() -> bool:
+    """Whether this kernel lists a task's children in /proc (CONFIG_PROC_CHILDREN)."""
+    me = os.getpid()
+    return os.path.exists(f"/proc/{me}/task/{me}/children")
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid``, read from its tasks' ``children`` files: a walk of the
+    tree alone. (psutil's ``children(recursive=True)`` reads every process on the host to
+    build a parent map: on a busy host that is most of what a watchdog costs.)"""
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue  # gone since its parent listed it
+        for task in tasks:
+            try:
+                with open(f"/proc/{parent}/task/{task}/children") as fh:
+                    kids = [int(k) for k in fh.read().split()]
+            except OSError:
+                continue  # the thread ended meanwhile
+            found += kids
+            todo += kids
+    return found
+
+
 def _silent_for(alive_file: str) -> float:
     try:
         return time.time() - os.stat(alive_file).st_mtime
@@ -63,10 +92,18 @@ def watch(
     except psutil.NoSuchProcess:
         return
     family: dict[int, psutil.Process] = {member.pid: member}
+    by_tree = _children_files()
     while member.is_running() and member.status() != psutil.STATUS_ZOMBIE:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            for child in member.children(recursive=True):
-                family.setdefault(child.pid, child)
+        if by_tree:
+            for pid in descendants(member.pid):
+                known = family.get(pid)
+                if known is None or not known.is_running():  # new, or a reused pid
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        family[pid] = psutil.Process(pid)
+        else:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                for child in member.children(recursive=True):
+                    family.setdefault(child.pid, child)
         hung = bool(alive_file) and timeout > 0 and _silent_for(alive_file) > timeout
         if _agent_gone(agent) or hung:
             terminate([p for p in family.values() if p.is_running()], grace)
