@@ -18,14 +18,22 @@ from muster.spec import load_job_file
 @app.command()
 @reports_errors
 def demo(
-    job_file: Path = typer.Option(
-        Path("examples/ddp/job.yaml"), "--job", help="the job to run [examples/ddp/job.yaml]"
+    job: Path | None = typer.Argument(
+        None, help="the job to run, as --job [examples/ddp/job.yaml]", show_default=False
+    ),
+    job_option: Path | None = typer.Option(
+        None, "--job", help="the job to run [examples/ddp/job.yaml]", show_default=False
     ),
     agents: int = typer.Option(2, help="local agents to start"),
 ) -> None:
     """Run a job on a throwaway local cluster: controller (SQLite), agents, logs, summary."""
+    if job is not None and job_option is not None and job != job_option:
+        raise UserError(f"two jobs given ({job} and --job {job_option}): give one")
+    job_file = job or job_option or Path("examples/ddp/job.yaml")
     if not job_file.is_file():
-        raise UserError(f"{job_file} not found; run from the muster checkout or pass --job")
+        if job is None and job_option is None:
+            raise UserError(f"{job_file} not found; run from the muster checkout or name a job")
+        raise UserError(f"{job_file} not found (the job file to run)")
     spec = load_job_file(job_file)
     cluster = LocalCluster(agents=agents)
     with err.status("starting a controller and agents on loopback"):
