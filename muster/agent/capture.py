@@ -38,14 +38,6 @@ class _Stream:
     stream: str
     offset: int = 0
     partial: bytes = b""
-    attempt: int = 0
-    done: bool = False  # a later attempt's file took over, and this one was read to its end
-
-
-def _attempt(path: Path) -> int:
-    """N of the ``attempt_N`` directory a rank file lies in."""
-    name = path.parent.parent.name
-    return int(name.removeprefix("attempt_")) if name.removeprefix("attempt_").isdigit() else 0
 
 
 @dataclass
@@ -62,7 +54,6 @@ class RankTailer:
     tails: dict[int, deque[str]] = field(default_factory=dict)
     bytes_read: int = 0  # every byte the rank files gained, complete lines or not
     _next_look: float = 0.0
-    _latest: dict[tuple[int, str], int] = field(default_factory=dict)
 
     def _discover(self, always: bool = False) -> None:
         now = time.monotonic()
@@ -74,39 +65,25 @@ class RankTailer:
             for stream in ("stdout", "stderr"):
                 for path in self.capture_dir.glob(f"*/attempt_*/{local}/{stream}.log"):
                     if path not in self._streams:
-                        rank = self.first_rank + local
-                        self._streams[path] = _Stream(path, rank, stream, attempt=_attempt(path))
-        latest: dict[tuple[int, str], int] = {}
-        for st in self._streams.values():
-            key = (st.rank, st.stream)
-            latest[key] = max(latest.get(key, 0), st.attempt)
-        self._latest = latest
+                        self._streams[path] = _Stream(path, self.first_rank + local, stream)
 
     def poll(self, final: bool = False) -> int:
         """Read what the files gained; on ``final`` also the last line without a newline."""
         self._discover(always=final)
         count = 0
         for st in self._streams.values():
-            if st.done and not final:
-                continue
-            # torchrun starts attempt N+1 once every rank of attempt N has exited: a file
-            # with a later attempt beside it grows no more. It is read to its end once,
-            # its unended last line included, and then only at the final read (a process
-            # the rank left behind could still write to it).
-            last = final or st.attempt < self._latest.get((st.rank, st.stream), 0)
             try:
                 with open(st.path, "rb") as fh:
                     fh.seek(st.offset)
                     data = fh.read()
             except FileNotFoundError:
                 continue
-            st.done = last
-            if not data and not (last and st.partial):
+            if not data and not (final and st.partial):
                 continue
             st.offset += len(data)
             self.bytes_read += len(data)  # a \r progress bar is output too (hang watch)
             buf = st.partial + data
-            cut = len(buf) if last else buf.rfind(b"\n") + 1
+            cut = len(buf) if final else buf.rfind(b"\n") + 1
             st.partial = buf[cut:]
             if cut:
                 count += self._lines(st, buf[:cut], time.time())

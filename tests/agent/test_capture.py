@@ -171,45 +171,6 @@ def test_a_restarts_new_attempt_is_followed_and_nothing_of_it_is_lost(
     assert [ln[5] for ln in lines][-1] == "four"
 
 
-def test_an_earlier_attempts_file_is_read_to_its_end_once_and_then_left(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """After a restart the last attempt's files are the ones that grow: an earlier one is read
-    once more, its unended last line included (before the new attempt's lines), and is not
-    opened again until the final read, which still takes what a leftover process wrote."""
-    first = tmp_path / "run" / "attempt_0" / "0"
-    first.mkdir(parents=True)
-    (first / "stdout.log").write_text("one\n")
-    (first / "stderr.log").write_text("")
-    lines: list[Line] = []
-    tailer = RankTailer(tmp_path, first_rank=0, procs=1, emit=lines.extend)
-    tailer.poll()
-    with open(first / "stdout.log", "a") as fh:
-        fh.write("cut off")  # the rank died mid-line
-    second = tmp_path / "run" / "attempt_1" / "0"
-    second.mkdir(parents=True)
-    (second / "stdout.log").write_text("two\n")
-    (second / "stderr.log").write_text("")
-    monkeypatch.setattr("muster.agent.capture.time.monotonic", lambda: 1e12)  # next look due
-    tailer.poll()
-    assert [(ln[2], ln[5]) for ln in lines] == [(1, "one"), (2, "cut off"), (3, "two")]
-    opened: list[str] = []
-    real_open = open
-
-    def watched_open(path: Any, *args: Any, **kwargs: Any) -> Any:
-        opened.append(str(path))
-        return real_open(path, *args, **kwargs)
-
-    monkeypatch.setattr("builtins.open", watched_open)
-    tailer.poll()
-    assert opened  # the live attempt is read
-    assert not [p for p in opened if "attempt_0" in p]
-    with real_open(first / "stdout.log", "a") as fh:
-        fh.write("late\n")  # a process the rank left behind
-    tailer.poll(final=True)
-    assert [ln[5] for ln in lines][-1] == "late"
-
-
 def test_the_log_flush_wakes_for_lines_and_a_new_link_sends_what_waited() -> None:
     """The flush sleeps until lines come (no clock); a link that broke mid-flush leaves
     lines waiting, and the next link's flush sends them without new lines to wake it."""
