@@ -99,7 +99,12 @@ def watch(
                 known = family.get(pid)
                 if known is None or not known.is_running():  # new, or a reused pid
                     with contextlib.suppress(psutil.NoSuchProcess):
-                        family[pid] = psutil.Process(pid)
+                        found = psutil.Process(pid)
+                        # A parent is listed before its children. A pid that ended and was
+                        # taken by another process since its children file was read has a
+                        # parent outside the tree: not the member's.
+                        if found.ppid() in family:
+                            family[pid] = found
         else:
             with contextlib.suppress(psutil.NoSuchProcess):
                 for child in member.children(recursive=True):

@@ -33,7 +33,8 @@ def demo(
     if not job_file.is_file():
         if job is None and job_option is None:
             raise UserError(f"{job_file} not found; run from the muster checkout or name a job")
-        raise UserError(f"{job_file} not found (the job file to run)")
+        what = "is a directory, not a job file" if job_file.is_dir() else "not found"
+        raise UserError(f"{job_file} {what} (the job file to run)")
     spec = load_job_file(job_file)
     cluster = LocalCluster(agents=agents)
     with err.status("starting a controller and agents on loopback"):

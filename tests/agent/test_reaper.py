@@ -6,6 +6,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -65,29 +66,42 @@ def test_descendants_reads_the_whole_tree_and_nothing_else(tmp_path: Path) -> No
         kill_tree(root, pids)
 
 
-def test_a_gone_agent_ends_every_process_the_member_ever_had(tmp_path: Path) -> None:
+def test_a_gone_agent_ends_every_process_the_member_ever_had(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The watchdog remembers the tree: a grandchild whose parent died (and so left the tree)
     is still ended when the agent goes."""
     agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     root, pids = start_tree(tmp_path)
-    watchdog = subprocess.Popen(
-        [sys.executable, "-m", "muster.agent.reaper", str(agent.pid), str(root.pid), "2"],
-        start_new_session=True,
-    )
+    seen: set[int] = set()
+    walk = reaper.descendants
+
+    def watched(pid: int) -> list[int]:
+        found = walk(pid)
+        seen.update(found)
+        return found
+
+    monkeypatch.setattr(reaper, "descendants", watched)
+    watchdog = threading.Thread(target=reaper.watch, args=(agent.pid, root.pid, 2.0, "", 0.0, 0.05))
+    watchdog.start()
     try:
-        time.sleep(1.5)  # two polls: the tree is known
+        deadline = time.monotonic() + 30
+        while not pids <= seen:  # the whole tree is known
+            assert time.monotonic() < deadline, (pids, seen)
+            time.sleep(0.05)
         middle = next(p for p in pids if psutil.Process(p).children())
         orphan = next(p for p in pids if psutil.Process(p).ppid() == middle)
         os.kill(middle, 9)  # the grandchild is reparented away from the member
         time.sleep(0.2)
-        assert orphan not in reaper.descendants(root.pid)
+        assert orphan not in walk(root.pid)
         agent.kill()
         agent.wait()
-        assert watchdog.wait(20) == 0
+        watchdog.join(20)
+        assert not watchdog.is_alive()
         alive = [p for p in [root.pid, *pids] if psutil.pid_exists(p)
                  and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]  # fmt: skip
         assert alive == []
     finally:
         agent.kill()
-        watchdog.kill()
         kill_tree(root, pids)
+        watchdog.join(20)

@@ -23,6 +23,10 @@ def test_the_job_may_be_an_argument_and_a_missing_one_is_named(tmp_path: Path) -
     gone = demo("nowhere/job.yaml", cwd=tmp_path)
     assert gone.returncode == 2
     assert "nowhere/job.yaml not found (the job file to run)" in gone.stderr
+    (tmp_path / "jobs").mkdir()
+    folder = demo("jobs", cwd=tmp_path)
+    assert folder.returncode == 2
+    assert "jobs is a directory, not a job file (the job file to run)" in folder.stderr
     default = demo(cwd=tmp_path)  # not in a checkout: the default job is not there
     assert default.returncode == 2
     assert "examples/ddp/job.yaml not found; run from the muster checkout or name a job" in (

@@ -41,10 +41,11 @@ def cluster() -> Iterator[LocalCluster]:
 def boxes_leave(cluster: LocalCluster) -> Iterator[None]:
     """Every box a test walked in is stopped when it ends, passed or failed: a persistent box
     left behind would walk into the next test's window and change its world size."""
-    before = set(cluster.procs)
+    before = dict(cluster.procs)
     yield
-    for name in set(cluster.procs) - before:
-        cluster.stop(name)
+    for name, proc in list(cluster.procs.items()):
+        if proc is not before.get(name):
+            cluster.stop(name)
 
 
 def source(tmp_path: Path) -> tuple[Path, Path]:

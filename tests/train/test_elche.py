@@ -29,12 +29,12 @@ def test_cadence_gives_the_fast_rank_more_batches(cadence: list[dict[str, Any]])
     # Rank 1 is three times slower; once timings are in, the fast rank ranges ahead (in
     # lockstep the counts would be equal). Under load on 2 cores the measured ratio sinks
     # towards 2x, so the bounds leave room for noise, not for lockstep.
-    # (the first window has no timings yet: equal shares; each epoch's last window is cut to
-    # the batches left, [1, 1] for 2: both left out. Under load a window can span most of an
-    # epoch, so every other window counts, not only those after the second.)
+    # (the first window has no timings yet: equal shares, left out. An epoch's last window is
+    # cut to the batches left in proportion, so only a cut as small as [1, 1] loses the
+    # order: those are left out too. A window may span most of an epoch, and a run may
+    # have one window an epoch after the first: every other window counts.)
     windows = fast["windows"]
-    later = [w["counts"] for i, w in enumerate(windows) if i >= 1 and i + 1 < len(windows)
-             and windows[i + 1]["epoch"] == w["epoch"]]  # fmt: skip
+    later = [w["counts"] for i, w in enumerate(windows) if i >= 1 and sum(w["counts"]) > 2]
     assert later, windows
     assert all(c0 > c1 for c0, c1 in later if c1 > 0), later
     ran = [sum(len(w["indices"]) for w in r["windows"]) for r in cadence]
