@@ -248,17 +248,7 @@ class JobRepository(Repository):
     def members(self, job_id: str, epoch_number: int | None = None) -> list[Member]:
         """The members of the job's latest (or given) epoch, by node rank."""
         with self.db.read() as s:
-            query = select(GangEpoch).where(GangEpoch.job_id == job_id)
-            if epoch_number is not None:
-                query = query.where(GangEpoch.number == epoch_number)
-            epoch = s.scalars(query.order_by(GangEpoch.number.desc()).limit(1)).first()
-            if epoch is None:
-                return []
-            return list(
-                s.scalars(
-                    select(Member).where(Member.epoch_id == epoch.id).order_by(Member.node_rank)
-                )
-            )
+            return members_in(s, job_id, epoch_number)
 
     def active_runs(self) -> list[RunRecord]:
         """Every job caught mid-run, as the store holds it: for rebuilding gang runs after
@@ -467,4 +457,17 @@ def _release(s: Session, worker_id: str, job_id: str) -> None:
             Worker.state.in_([WorkerState.RESERVED.value, WorkerState.BUSY.value]),
         )
         .values(state=WorkerState.IDLE.value, job_id=None)
+    )
+
+
+def members_in(s: Session, job_id: str, epoch_number: int | None = None) -> list[Member]:
+    """``JobRepository.members`` inside a transaction of the caller's."""
+    query = select(GangEpoch).where(GangEpoch.job_id == job_id)
+    if epoch_number is not None:
+        query = query.where(GangEpoch.number == epoch_number)
+    epoch = s.scalars(query.order_by(GangEpoch.number.desc()).limit(1)).first()
+    if epoch is None:
+        return []
+    return list(
+        s.scalars(select(Member).where(Member.epoch_id == epoch.id).order_by(Member.node_rank))
     )

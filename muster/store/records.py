@@ -27,6 +27,7 @@ from typing import Any
 from sqlalchemy import Select, and_, false, func, or_, select
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError, IntegrityError
+from sqlalchemy.orm import Session
 
 from muster.errors import BadRequest, StoreUnavailable
 from muster.store.base import Repository, add_event, utcnow
@@ -96,19 +97,11 @@ class RecordRepository(Repository):
     def events(self, job_id: str | None = None, last: int | None = None) -> list[Event]:
         """Events in order (of ``job_id``); with ``last``, only the newest that many."""
         with self.db.read() as s:
-            query = select(Event)
-            if job_id is not None:
-                query = query.where(Event.job_id == job_id)
-            if last is None:
-                return list(s.scalars(query.order_by(Event.id)))
-            return list(s.scalars(query.order_by(Event.id.desc()).limit(last)))[::-1]
+            return events_in(s, job_id, last)
 
     def event_count(self, job_id: str) -> int:
         with self.db.read() as s:
-            counted = s.scalar(
-                select(func.count()).select_from(Event).where(Event.job_id == job_id)
-            )
-            return int(counted or 0)
+            return event_count_in(s, job_id)
 
     def window_opened_at(self, job_id: str) -> float | None:
         """When the join window of ``job_id`` opened (epoch seconds), as its WindowOpened
@@ -149,11 +142,7 @@ class RecordRepository(Repository):
 
     def conditions(self, job_id: str) -> list[Condition]:
         with self.db.read() as s:
-            return list(
-                s.scalars(
-                    select(Condition).where(Condition.job_id == job_id).order_by(Condition.type)
-                )
-            )
+            return conditions_in(s, job_id)
 
     # ---- logs ----------------------------------------------------------------------------
 
@@ -645,3 +634,26 @@ def _log_filter(
         own = and_(LogLine.origin == "node", LogLine.rank == launcher)
         kept = own if kept is None else or_(kept, own)
     return query if kept is None else query.where(kept)
+
+
+# Reads inside a transaction of the caller's (one snapshot for several of them).
+
+
+def events_in(s: Session, job_id: str | None = None, last: int | None = None) -> list[Event]:
+    query = select(Event)
+    if job_id is not None:
+        query = query.where(Event.job_id == job_id)
+    if last is None:
+        return list(s.scalars(query.order_by(Event.id)))
+    return list(s.scalars(query.order_by(Event.id.desc()).limit(last)))[::-1]
+
+
+def event_count_in(s: Session, job_id: str) -> int:
+    counted = s.scalar(select(func.count()).select_from(Event).where(Event.job_id == job_id))
+    return int(counted or 0)
+
+
+def conditions_in(s: Session, job_id: str) -> list[Condition]:
+    return list(
+        s.scalars(select(Condition).where(Condition.job_id == job_id).order_by(Condition.type))
+    )

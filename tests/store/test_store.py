@@ -213,6 +213,26 @@ def test_artifacts_and_conditions(store: Store) -> None:
     assert (cond.status, cond.reason) == ("True", "AllJoined")
 
 
+def test_a_job_view_is_the_job_its_latest_members_events_and_conditions(store: Store) -> None:
+    ids = add_workers(store, 2)
+    job = store.submit_job(gang(2))
+    store.reserve_placement(job.id, ids, "private")
+    store.set_condition(job.id, "GangReady", True, "AllJoined", "2 of 2 members")
+    for i in range(5):
+        store.record_event("Note", f"note {i}", job=job.id)
+    view = store.job_view(job.id)
+    assert (view.job.id, view.job.state) == (job.id, "placing")
+    assert [(m.node_rank, m.worker_id) for m in view.members] == [(0, "w00"), (1, "w01")]
+    assert [e.message for e in view.events] == [e.message for e in store.events(job.id)]
+    assert [(c.type, c.reason) for c in view.conditions] == [("GangReady", "AllJoined")]
+    assert view.events_total is None
+    newest = store.job_view(job.id, events_last=2)
+    assert [e.message for e in newest.events] == ["note 3", "note 4"]
+    assert newest.events_total == len(view.events)
+    with pytest.raises(NotFound):
+        store.job_view("nope")
+
+
 def test_job_ids_never_collide_even_when_the_generator_repeats(
     store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
