@@ -12,7 +12,7 @@ for every arm, in one run:
   least 15 and at least 1.5 s of them, after a warm-up): torchrun by hand bound to the raw
   interface and to muster0, and the same script
   submitted as a muster job on the private path (real agents, the probe, the rendezvous
-  port's nftables rule on node 0); the raw and private arms take 5 turns, all with the
+  port's nftables rule on node 0); the raw and private arms take 9 turns, all with the
   rig's controller and agents up (they share this machine's cores; on a cluster the
   controller runs elsewhere).
 
@@ -137,7 +137,9 @@ def muster_private(rig: Rig, ctl: Host, work: Path, round_: int) -> dict[int, fl
         "distributed: {num_workers: 2, procs_per_worker: 1, backend: gloo}\n"
     )
     job_id = rig.muster(ctl, "submit", str(job_dir / "job.yaml")).strip()
-    job = rig.wait_done(job_id, timeout=300)
+    # Asked every 2 s, not 0.5: a job's answer costs the controller ~6 ms of CPU, here on
+    # the ranks' cores (on a cluster the controller is elsewhere; the raw arm has no poll).
+    job = rig.wait_done(job_id, timeout=300, poll=2.0)
     if job["state"] != "succeeded" or job["path_class"] != "private":
         raise RuntimeError(f"the private job: {job['state']} on {job['path_class']}")
     result = {}
@@ -182,7 +184,7 @@ def wireguard_by_hand(
 
 
 IPERF_ROUNDS = 5
-GLOO_ROUNDS = 5
+GLOO_ROUNDS = 9  # turns of the raw and private arms: single turns swing 0.5-1.2x here
 
 
 def muster_direct(
