@@ -119,7 +119,11 @@ async def describe(job_id: str, request: Request) -> Response:
     # Encoded here (orjson) rather than by FastAPI's per-value walk: a CLI follow or a
     # dashboard asks for this every second or so, and the walk was a fifth of its cost.
     detail = await job_detail(store(request), controller(request), job_id)
-    return Response(orjson.dumps(detail), media_type="application/json")
+    try:
+        body = orjson.dumps(detail)
+    except orjson.JSONEncodeError:  # an integer past 64 bits (a spec may hold one)
+        body = json.dumps(detail, ensure_ascii=False).encode()
+    return Response(body, media_type="application/json")
 
 
 async def job_detail(
