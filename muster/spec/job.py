@@ -27,6 +27,7 @@ DEFAULT_MAX_JOIN_TIMEOUT_S = 900
 INT32 = 2**31
 MAX_WORKERS = 10_000
 MAX_PROCS_PER_WORKER = 1_024
+MAX_RANKS = MAX_WORKERS * MAX_PROCS_PER_WORKER
 
 _DURATION = re.compile(r"^(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?$")
 
@@ -47,7 +48,7 @@ def parse_duration(value: object) -> object:
     return value
 
 
-Seconds = Annotated[int, BeforeValidator(parse_duration), Field(gt=0)]
+Seconds = Annotated[int, BeforeValidator(parse_duration), Field(gt=0, lt=INT32)]  # < 68 years
 
 
 class _Model(BaseModel):
@@ -57,7 +58,7 @@ class _Model(BaseModel):
 class Resources(_Model):
     """What each worker (node) of the job needs."""
 
-    gpus: int = Field(default=0, ge=0, description="GPUs per worker")
+    gpus: int = Field(default=0, ge=0, lt=INT32, description="GPUs per worker")
     device: Device | None = Field(
         default=None, description="cpu, cuda or mps; defaults to cuda when gpus > 0, else cpu"
     )
@@ -80,14 +81,20 @@ class JoinWindow(_Model):
     is ``window``, or ``controller.join`` of a cluster file. Quorum and target count ranks."""
 
     quorum: int | None = Field(
-        default=None, ge=1, description="fewest ranks the run may start with [capacity]"
+        default=None,
+        ge=1,
+        le=MAX_RANKS,
+        description="fewest ranks the run may start with [capacity]",
     )
     join_timeout: Seconds = Field(
         default=DEFAULT_JOIN_TIMEOUT_S,
         description="seconds after the window opens at which auto/hybrid form with quorum",
     )
     target_ranks: int | None = Field(
-        default=None, ge=1, description="ranks at which auto/hybrid form at once [capacity]"
+        default=None,
+        ge=1,
+        le=MAX_RANKS,
+        description="ranks at which auto/hybrid form at once [capacity]",
     )
     max_join_timeout: Seconds = Field(
         default=DEFAULT_MAX_JOIN_TIMEOUT_S,
