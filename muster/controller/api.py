@@ -117,11 +117,12 @@ async def list_jobs(request: Request) -> Response:
 @users.get("/jobs/{job_id}", response_model=dict[str, Any])
 async def describe(job_id: str, request: Request) -> Response:
     # Encoded here (orjson) rather than by FastAPI's per-value walk: a CLI follow or a
-    # dashboard asks for this every second or so, and the walk was a fifth of its cost.
+    # dashboard asks for this every second or so (with the one-transaction read, 4.3-4.7 ms
+    # of the server's CPU a request here, was 5.3-6.1).
     detail = await job_detail(store(request), controller(request), job_id)
     try:
         body = orjson.dumps(detail)
-    except orjson.JSONEncodeError:  # an integer past 64 bits (a spec may hold one)
+    except orjson.JSONEncodeError:  # an integer past 64 bits (in an event's stored data)
         body = json.dumps(detail, ensure_ascii=False).encode()
     return Response(body, media_type="application/json")
 
