@@ -98,9 +98,11 @@ def describe(
     """A job's state, members, addresses, rank ranges, events and root cause."""
     job = client(controller, token_file).job(job_id)
     out.print(
-        f"[bold]{job['id']}[/]  {job['state']}  world size {job['world_size']}"
+        f"[bold]{job['id']}[/]  {job['state']}  world size {job['world_size'] or '?'}"
         f"  path {job['path_class'] or '-'}"
     )
+    if job.get("spec_error"):
+        out.print(job["spec_error"], style="yellow", markup=False)
     if job["why_pending"] and job["state"] == "queued":
         out.print(f"why pending: {job['why_pending']}", markup=False)
     if job["root_cause"]:
@@ -115,7 +117,7 @@ def describe(
             table.add_row(
                 f"node{m['node_rank']}",
                 m["worker"],
-                f"{m['ranks'][0]}-{m['ranks'][1]}",
+                f"{m['ranks'][0]}-{m['ranks'][1]}" if m["ranks"] else "?",
                 m["state"],
                 exit_text,
                 m["path_address"] or m["advertise_address"] or "",

@@ -18,7 +18,7 @@ from muster.controller.files import FileStore
 from muster.controller.gangs import Controller
 from muster.controller.relays import usage_answer
 from muster.errors import BadRequest, FieldError, Forbidden, NotFound, SpecError, UserError
-from muster.plan import rank_plan
+from muster.plan import RankPlan, rank_plan
 from muster.spec import JobState, parse_job
 from muster.store import Store
 from muster.store.jobs import JobSummary
@@ -138,11 +138,17 @@ async def job_detail(
 
 def _job_detail(st: Store, job_id: str, events_last: int | None) -> dict[str, Any]:
     job, members, events, conditions, events_total = st.job_view(job_id, events_last)
-    plan = rank_plan(st.job_spec(job))
+    plan: RankPlan | None = None
+    spec_error: str | None = None
+    try:
+        plan = rank_plan(st.job_spec(job))
+    except BadRequest as exc:  # stored by an older muster: the job is still shown
+        spec_error = str(exc)
     return {
         **job_summary(job),
         "spec": job.spec,
-        "world_size": plan.world_size,
+        **({"spec_error": spec_error} if spec_error else {}),
+        "world_size": plan.world_size if plan else None,
         "members": [
             {
                 "node_rank": m.node_rank,
@@ -155,7 +161,9 @@ def _job_detail(st: Store, job_id: str, events_last: int | None) -> dict[str, An
                 "ranks": [
                     plan.nodes[m.node_rank].ranks.start,
                     plan.nodes[m.node_rank].ranks.stop - 1,
-                ],
+                ]
+                if plan and m.node_rank < plan.num_nodes
+                else None,
             }
             for m in members
         ],

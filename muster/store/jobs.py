@@ -169,7 +169,17 @@ class JobRepository(Repository):
         return apart, packets
 
     def job_spec(self, job: Job) -> JobSpec:
-        return JobSpec.model_validate(job.spec, strict=False)
+        """The job's stored spec, validated; BadRequest (409) naming the job and the first
+        problem where this version no longer accepts what an older one stored."""
+        try:
+            return JobSpec.model_validate(job.spec, strict=False)
+        except ValueError as exc:  # pydantic's ValidationError is a ValueError
+            first = str(exc).strip().splitlines()
+            detail = " ".join(first[1:3]) if len(first) > 1 else str(exc)
+            raise BadRequest(
+                f"job {job.id}: its stored spec no longer validates ({detail.strip()}); "
+                "submit the job again"
+            ) from None
 
     def set_job_state(self, job_id: str, new: JobState, message: str = "") -> Job:
         """Move a job along its lifecycle; illegal moves raise IllegalTransition."""

@@ -10,12 +10,14 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy import update
 
 from muster import wire
 from muster.controller.app import ControllerConfig, create_app
 from muster.controller.auth import credentials
 from muster.spec import parse_job
 from muster.store import Store, open_store
+from muster.store.models import Job
 from muster.wire import Kind
 
 # What each route of the API is for. A route missing here fails the walk: whoever adds one
@@ -269,4 +271,23 @@ def test_a_job_whose_events_hold_a_huge_integer_is_described(store: Store, tmp_p
     with serve(store, tmp_path, tls=False) as client:
         answer = client.get(f"/v1/jobs/{job.id}")
     assert answer.status_code == 200, answer.text
-    assert answer.json()["events"][-1]["data"] == {"n": 2**70}
+    note = next(e for e in answer.json()["events"] if e["kind"] == "Note")
+    assert note["data"] == {"n": 2**70}
+
+
+def test_a_job_whose_stored_spec_no_longer_validates_is_still_described(
+    store: Store, tmp_path: Path
+) -> None:
+    """A spec an older muster stored (here a timeout this version bounds) is shown with the
+    reason instead of a 500; what needs the spec (logs of one node) says which job and why."""
+    job = store.submit_job(parse_job({"name": "old", "entrypoint": "t.py"}))
+    with store.db.transaction() as s:
+        s.execute(update(Job).where(Job.id == job.id).values(spec={**job.spec, "timeout": 2**40}))
+    with serve(store, tmp_path, tls=False) as client:
+        described = client.get(f"/v1/jobs/{job.id}")
+        logs = client.get(f"/v1/jobs/{job.id}/logs", params={"node": 0})
+    assert described.status_code == 200, described.text
+    assert described.json()["world_size"] is None
+    assert "its stored spec no longer validates (timeout" in described.json()["spec_error"]
+    assert logs.status_code == 409, logs.text
+    assert f"job {job.id}: its stored spec no longer validates" in logs.text
