@@ -304,3 +304,62 @@ def test_the_log_view_stays_responsive_with_1000_ranks_and_a_million_lines(
     assert filtered < 10, f"the rank filter took {filtered:.1f}s"
     assert "[rank 7] rank 7 line 1000" in visible_lines(page)
     page.context.close()
+
+
+# Every follow poll (a fetch with after=) is held 1.5 s in the page, and counted while out.
+SLOW_POLLS = """
+(() => {
+  const real = window.fetch.bind(window);
+  window.pollsOut = 0;
+  window.fetch = async (url, opts) => {
+    if (!String(url).includes("after=")) return real(url, opts);
+    window.pollsOut += 1;
+    try {
+      await new Promise((r) => setTimeout(r, 1500));
+      return await real(url, opts);
+    } finally { window.pollsOut -= 1; }
+  };
+})();
+"""
+
+
+def test_scrolling_to_the_top_while_a_poll_is_out_still_loads_the_older_page(
+    browser: Any, cluster: LocalCluster
+) -> None:
+    """The reader reaches the top while a follow poll is on its way (on a slow controller,
+    most of the time): the older page still comes once the poll is back, and following stops."""
+    assert cluster.data_dir is not None
+    spec = parse_job(
+        {
+            "name": "slowpoll",
+            "entrypoint": "train.py",
+            "distributed": {"num_workers": 50, "procs_per_worker": 1, "backend": "gloo"},
+        }
+    )
+    store = open_store(str(cluster.data_dir / "muster.db"))
+    try:
+        job = store.submit_job(spec).id  # 50 nodes: it waits, so the view keeps following
+        with store.db.engine.begin() as conn:
+            conn.exec_driver_sql(
+                "WITH RECURSIVE n(i) AS (SELECT 0 UNION ALL SELECT i + 1 FROM n WHERE i < 4999) "
+                "INSERT INTO log_lines (job_id, origin, rank, seq, time_us, stream, text, raw, "
+                "ingest_id) SELECT ?, 'rank', 0, i + 1, ?, 'stdout', 'line ' || (i + 1), NULL, "
+                "i + 1 FROM n",
+                (job, int(time.time() * 1e6)),
+            )
+    finally:
+        store.db.dispose()
+    page = signed_in(browser, cluster)
+    page.add_init_script(SLOW_POLLS)
+    page.goto(f"{cluster.url}/ui/jobs/{job}")
+    page.wait_for_function("() => document.querySelectorAll('#logview .ln').length > 0")
+    assert "[rank 0] line 5000" in visible_lines(page)
+    assert page.is_checked("#log-follow")
+    held = page.evaluate("() => window.musterLogs.lines.length")
+    assert held == 2000, held
+    page.wait_for_function("() => window.pollsOut > 0")
+    page.evaluate("() => { document.getElementById('logview').scrollTop = 0; }")
+    page.wait_for_function(f"() => window.musterLogs.lines.length > {held}")
+    assert not page.is_checked("#log-follow"), "reading back pauses following"
+    assert "[rank 0] line 3000" in visible_lines(page), "the reader's place is kept"
+    page.context.close()

@@ -77,6 +77,8 @@ class LogView {
     this.generation = 0;  // a reload abandons every fetch already on its way
     this.jobEnded = false;
     this.caughtUp = false;
+    this.olderWanted = false;  // the reader reached the top while another fetch was out
+    this.autoTarget = null;    // the scrollTop the view itself last set, to tell it from the reader's
     this.error = "";
     this.box.addEventListener("scroll", () => this.onScroll());
     this.form.addEventListener("submit", (ev) => { ev.preventDefault(); this.reload(); });
@@ -127,12 +129,19 @@ class LogView {
     }));
   }
 
-  // Run ``work`` as the one fetch in flight of this generation.
+  // Run ``work`` as the one fetch in flight of this generation. A wish for older lines that
+  // meets another fetch (a follow poll) is kept and served when that one ends: the reader who
+  // scrolled to the top makes no second scroll event to ask again.
   async exclusive(work) {
     if (this.busy) return;
     const gen = this.generation;
     this.busy = true;
-    try { await work(gen); } finally { if (gen === this.generation) this.busy = false; }
+    try { await work(gen); } finally {
+      if (gen === this.generation) {
+        this.busy = false;
+        if (this.olderWanted) { this.olderWanted = false; this.older(); }
+      }
+    }
   }
 
   async reload() {
@@ -140,6 +149,7 @@ class LogView {
     this.busy = false;
     this.filter = this.readFilter();
     this.lines = []; this.pages = []; this.next = null; this.olderDone = false; this.caughtUp = false;
+    this.olderWanted = false;
     await this.exclusive(async (gen) => {
       const page = await this.fetchPage({ tail: "true", limit: String(PAGE) }, gen);
       if (!page) { this.render(false); return; }
@@ -175,6 +185,7 @@ class LogView {
 
   async older() {
     if (this.olderDone || !this.pages.length || !this.pages[0].prev) return;
+    if (this.busy) { this.olderWanted = true; return; }
     await this.exclusive(async (gen) => {
       const page = await this.fetchPage({ before: this.pages[0].prev, limit: String(PAGE) }, gen);
       if (!page) return;
@@ -197,8 +208,11 @@ class LogView {
 
   onScroll() {
     const atBottom = this.box.scrollTop + this.box.clientHeight >= this.box.scrollHeight - ROW_H;
-    if (!atBottom && this.follow.checked && !this.autoScrolling) this.follow.checked = false;
-    this.autoScrolling = false;
+    // Scroll events are coalesced: one that lands where the view put it is the view's own, one
+    // elsewhere is the reader's even when the view moved too in the same frame.
+    const own = this.autoTarget !== null && Math.abs(this.box.scrollTop - this.autoTarget) <= 1;
+    this.autoTarget = null;
+    if (!atBottom && this.follow.checked && !own) this.follow.checked = false;
     if (this.box.scrollTop < 10 * ROW_H) this.older();
     this.draw();
   }
@@ -208,8 +222,8 @@ class LogView {
     if (toBottom && this.follow.checked) {
       const target = this.box.scrollHeight - this.box.clientHeight;
       if (Math.abs(this.box.scrollTop - target) > 1) {
-        this.autoScrolling = true;  // the scroll event this makes is not the reader's
         this.box.scrollTop = target;
+        this.autoTarget = this.box.scrollTop;  // the scroll event this makes is not the reader's
       }
     }
     this.draw();
