@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import json
+import logging
+import os
 import socket
 import subprocess
+import tempfile
+import time
+from pathlib import Path
 from urllib.parse import urlparse
 
+import platformdirs
 import psutil
 
 from muster.agent.gpus import list_gpus
@@ -15,6 +22,8 @@ from muster.errors import InfrastructureError, UserError
 from muster.net.wireguard import device_unavailable, has_cap_net_admin
 from muster.spec import MESH_INTERFACE, Gpus, NetworkCaps, WorkerInventory
 from muster.spec.worker import UNDECLARED
+
+log = logging.getLogger("muster.agent")
 
 _PROBE = """
 import importlib.util, json, platform
@@ -33,16 +42,115 @@ print(json.dumps(out))
 """
 
 
-def probe_python(python: str) -> dict[str, object]:
-    """torch version, torchrun and backends as the jobs' Python sees them."""
+# What the probe's answer depends on, read without importing torch (tens of ms where the
+# probe takes seconds): the interpreter, its import path, and every directory on that path
+# with its mtime, which any install or removal in it moves; torch's own files, with theirs.
+_FINGERPRINT = """
+import glob, importlib.util, json, os, sys
+def stat(path):
+    try:
+        st = os.stat(path)
+        return [path, st.st_mtime_ns, st.st_size]
+    except OSError:
+        return [path, None, None]
+out = {"version": sys.version, "executable": os.path.realpath(sys.executable),
+       "path": [stat(p) for p in sys.path if p], "torch": None}
+spec = importlib.util.find_spec("torch")
+if spec is not None and spec.origin:
+    root = os.path.dirname(spec.origin)
+    files = [spec.origin, os.path.join(root, "version.py")]
+    files += sorted(glob.glob(os.path.join(root, "_C*.so")))
+    out["torch"] = [stat(f) for f in files]
+print(json.dumps(out))
+"""
+# What else changes the answer: the devices CUDA or ROCm may use, where libraries load from.
+_PROBE_ENV = (
+    "CUDA_VISIBLE_DEVICES",
+    "NVIDIA_VISIBLE_DEVICES",
+    "HIP_VISIBLE_DEVICES",
+    "ROCR_VISIBLE_DEVICES",
+    "LD_LIBRARY_PATH",
+    "LD_PRELOAD",
+    "PYTHONPATH",
+    "PYTHONHOME",
+)
+PROBE_CACHE_TTL_S = 24 * 3600.0
+_NO_PYTHON: dict[str, object] = {"python": "", "torch": None, "torchrun": False, "backends": []}
+
+
+def _run_json(python: str, code: str, timeout: float) -> dict[str, object] | None:
     try:
         done = subprocess.run(
-            [python, "-c", _PROBE], capture_output=True, text=True, timeout=120, check=False
+            [python, "-c", code], capture_output=True, text=True, timeout=timeout, check=False
         )
-        data: dict[str, object] = json.loads(done.stdout.strip().splitlines()[-1])
-        return data
+        data = json.loads(done.stdout.strip().splitlines()[-1])
     except (OSError, subprocess.TimeoutExpired, json.JSONDecodeError, IndexError):
-        return {"python": "", "torch": None, "torchrun": False, "backends": []}
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def probe_cache_dir() -> Path:
+    """Where probe answers are kept: the user's cache dir (XDG_CACHE_HOME honoured)."""
+    return Path(platformdirs.user_cache_dir("muster")) / "python-probe"
+
+
+def probe_python(python: str, gpus: Gpus | None = None) -> dict[str, object]:
+    """torch version, torchrun and backends as the jobs' Python sees them.
+
+    Importing torch to ask takes seconds of CPU (2.4 s here), paid by every agent start. The
+    answer is kept in the user's cache for a day, under a fingerprint of everything it
+    depends on (the interpreter, every directory on its import path and torch's own files
+    with their mtimes, the GPUs, and the environment that picks devices and libraries): an
+    install, an upgrade, a new driver's GPU list or another CUDA_VISIBLE_DEVICES asks again.
+    An answer that lists GPUs but no NCCL (CUDA not working) is not kept: it may be mended."""
+    fingerprint = _run_json(python, _FINGERPRINT, 60)
+    path: Path | None = None
+    if fingerprint is not None:
+        key = {
+            "python": python,
+            "fingerprint": fingerprint,
+            "gpus": gpus.model_dump(mode="json") if gpus is not None else None,
+            "env": {name: os.environ.get(name) for name in _PROBE_ENV},
+        }
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+        path = probe_cache_dir() / f"{digest}.json"
+        cached = _read_cached(path)
+        if cached is not None:
+            return cached
+    data = _run_json(python, _PROBE, 120)
+    if data is None:
+        return dict(_NO_PYTHON)
+    backends = data.get("backends")
+    backends = backends if isinstance(backends, list) else []
+    cuda_broken = gpus is not None and gpus.count > 0 and "nccl" not in backends
+    if path is not None and data.get("torch") and not cuda_broken:
+        _write_cached(path, data)
+    return data
+
+
+def _read_cached(path: Path) -> dict[str, object] | None:
+    try:
+        if time.time() - path.stat().st_mtime > PROBE_CACHE_TTL_S:
+            return None
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("backends"), list):
+        return None
+    return data
+
+
+def _write_cached(path: Path, data: dict[str, object]) -> None:
+    """Atomically (agents starting together may write the same answer); a cache that cannot
+    be written only costs the next start its seconds."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".probe-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.debug("cannot keep the python probe's answer in %s: %s", path.parent, exc)
 
 
 def probe_gpus() -> Gpus:
@@ -158,8 +266,8 @@ def collect(
     device: str = MESH_INTERFACE,
     location: tuple[str, str, str] = (UNDECLARED, UNDECLARED, UNDECLARED),
 ) -> WorkerInventory:
-    py = probe_python(python)
     gpus = probe_gpus()
+    py = probe_python(python, gpus)
     backends = [str(b) for b in py.get("backends", [])]  # type: ignore[attr-defined]
     return WorkerInventory(
         id=worker_id,
