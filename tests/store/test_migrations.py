@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 from alembic import command
 from alembic.autogenerate import compare_metadata
@@ -10,7 +13,7 @@ from alembic.migration import MigrationContext
 from sqlalchemy import inspect, text
 
 from muster.store import current_revision, head_revision, make_engine, open_database, open_store
-from muster.store.engine import alembic_config
+from muster.store.engine import SCHEMA_HEAD, alembic_config
 from muster.store.models import Base
 from tests.scheduler.workers import gang
 
@@ -85,3 +88,23 @@ def test_upgrade_numbers_existing_log_lines_in_time_order(db_url: str) -> None:
         assert store.logs_after(job.id, 0) == []
     finally:
         store.db.dispose()
+
+
+def test_the_schema_head_constant_is_alembics_head() -> None:
+    assert head_revision() == SCHEMA_HEAD, "a new migration: set engine.SCHEMA_HEAD to it"
+
+
+def test_a_current_database_opens_without_alembic(tmp_path: Path) -> None:
+    """Opening a database already at head (every start but the first) skips alembic and its
+    imports; a new one is still migrated."""
+    check = (
+        "import sys\nfrom muster.store import open_store\n"
+        "open_store(sys.argv[1]).db.dispose()\n"
+        "print('alembic' in sys.modules)\n"
+    )
+    path = str(tmp_path / "m.db")
+    for expected in ("True", "False", "False"):
+        done = subprocess.run(
+            [sys.executable, "-c", check, path], capture_output=True, text=True, timeout=60
+        )
+        assert done.stdout.strip() == expected, done.stderr
