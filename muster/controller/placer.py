@@ -16,11 +16,19 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from muster.controller.runs import RunEntry
-from muster.errors import BadRequest, PlacementConflict
+from muster.errors import BadRequest, PlacementConflict, SpecError
 from muster.gang import GangRun, Placed
 from muster.plan import MESH_MAX_NODES, gang_addressing
 from muster.scheduler import IP_COLLISION, Placement, PoolIndex, QueuedJob, schedule
-from muster.spec import JobSpec, JobState, PathClass, WorkerInventory, WorkerView
+from muster.spec import (
+    JobSpec,
+    JobState,
+    PathClass,
+    WorkerInventory,
+    WorkerView,
+    first_problems,
+    load_stored_job,
+)
 from muster.store.hot import reason_gist
 from muster.store.writes import (
     ConditionWrite,
@@ -117,17 +125,15 @@ class Placer:
             spec = self._specs.get(job_id)
             if spec is None:  # validated once: a stored spec never changes
                 try:
-                    spec = self._specs[job_id] = JobSpec.model_validate(
-                        stored[job_id], strict=False
-                    )
-                except ValueError as exc:  # pydantic's ValidationError is a ValueError
+                    spec = self._specs[job_id] = load_stored_job(stored[job_id], job_id)
+                except SpecError as exc:
                     # A stored spec this version no longer accepts: fail that job, place
                     # the others (it used to stop all placement).
                     await self.c.db(
                         self.c.store.set_job_state,
                         job_id,
                         JobState.FAILED,
-                        f"the stored spec no longer validates ({_first_line(exc)}); "
+                        f"the stored spec no longer validates ({first_problems(exc)}); "
                         "fix it and submit the job again",
                     )
                     self.c._forget_fences(job_id)
@@ -272,10 +278,6 @@ class Placer:
             ):
                 due[job_id] = reason
         return due
-
-
-def _first_line(exc: Exception) -> str:
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
 def _why_relayed(outcome: Placement) -> str:

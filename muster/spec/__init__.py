@@ -3,9 +3,11 @@
 from muster.spec.cluster import ClusterFile
 from muster.spec.job import Distributed, JobSpec, Rendezvous, Resources, parse_duration
 from muster.spec.loader import (
+    first_problems,
     load_cluster_file,
     load_inventory_file,
     load_job_file,
+    load_stored_job,
     parse_cluster,
     parse_job,
     parse_model,
@@ -31,9 +33,11 @@ __all__ = [
     "WorkerInventory",
     "WorkerState",
     "WorkerView",
+    "first_problems",
     "load_cluster_file",
     "load_inventory_file",
     "load_job_file",
+    "load_stored_job",
     "parse_cluster",
     "parse_duration",
     "parse_job",

@@ -123,6 +123,24 @@ def parse_model(model: type[M], data: object, source: str) -> M:
         raise SpecError([_field_error(model, e) for e in exc.errors()], source) from None
 
 
+def load_stored_job(data: object, job_id: str) -> JobSpec:
+    """A spec as the store holds it (JSON: strict=False lets its strings be enums and its
+    lists tuples). Raises SpecError naming each field where this version no longer accepts
+    what an older one stored (or a spec past a bound added since)."""
+    try:
+        return JobSpec.model_validate(data, strict=False)
+    except ValidationError as exc:
+        source = f"job {job_id}'s stored spec"
+        raise SpecError([_field_error(JobSpec, e) for e in exc.errors()], source) from None
+
+
+def first_problems(exc: SpecError, most: int = 2) -> str:
+    """The first fields a SpecError names, on one line (a job's state message, a 409)."""
+    shown = "; ".join(str(e) for e in exc.errors[:most])
+    more = len(exc.errors) - most
+    return shown + (f"; and {more} more" if more > 0 else "")
+
+
 def _field_error(model: type[BaseModel], err: ErrorDetails) -> FieldError:
     loc = [str(part) for part in err["loc"] if not isinstance(part, int)]
     field = _dotted(err["loc"])

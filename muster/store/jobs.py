@@ -20,9 +20,9 @@ from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, defer
 
-from muster.errors import BadRequest, PlacementConflict, StoreUnavailable
+from muster.errors import BadRequest, PlacementConflict, SpecError, StoreUnavailable
 from muster.spec.job import JobSpec
-from muster.spec.loader import parse_job
+from muster.spec.loader import first_problems, load_stored_job, parse_job
 from muster.spec.states import (
     JobState,
     MemberState,
@@ -172,12 +172,10 @@ class JobRepository(Repository):
         """The job's stored spec, validated; BadRequest (409) naming the job and the first
         problem where this version no longer accepts what an older one stored."""
         try:
-            return JobSpec.model_validate(job.spec, strict=False)
-        except ValueError as exc:  # pydantic's ValidationError is a ValueError
-            first = str(exc).strip().splitlines()
-            detail = " ".join(first[1:3]) if len(first) > 1 else str(exc)
+            return load_stored_job(job.spec, job.id)
+        except SpecError as exc:
             raise BadRequest(
-                f"job {job.id}: its stored spec no longer validates ({detail.strip()}); "
+                f"job {job.id}: its stored spec no longer validates ({first_problems(exc)}); "
                 "submit the job again"
             ) from None
 

@@ -10,12 +10,16 @@ from pathlib import Path
 
 import httpx
 import pytest
+from sqlalchemy import update
 from websockets.sync.client import ClientConnection, connect
 
 from muster import wire
 from muster.cli.local import LocalCluster
 from muster.client import split_token
 from muster.controller.links import MAX_REFUSED_FRAMES
+from muster.spec import parse_job
+from muster.store import open_store
+from muster.store.models import Job
 from muster.wire import Kind
 from tests.e2e.helpers import (
     all_lines,
@@ -239,3 +243,35 @@ def test_tls_with_a_pinned_certificate(tmp_path: Path) -> None:
         agent = cluster.start_agent("agent-x", join=wrong)
         assert agent.wait(timeout=60) == 1
         assert "refusing to talk to it" in cluster.log("agent-x").read_text()
+
+
+def test_a_stored_spec_this_version_refuses_fails_that_job_and_the_queue_goes_on(
+    tmp_path: Path,
+) -> None:
+    """A queued job whose stored spec this version no longer accepts (an older muster's, or
+    past a bound added since: a timeout of 2**40 s) is failed with the field named, and the
+    job behind it is still placed and runs."""
+    with LocalCluster(agents=1, agent_args=["--persist"]) as cluster:
+        assert cluster.data_dir is not None
+        api = cluster.client()
+        cluster.stop("server")
+        store = open_store(str(cluster.data_dir / "muster.db"))
+        try:
+            old = store.submit_job(parse_job({"name": "old", "entrypoint": "t.py"}))
+            with store.db.transaction() as s:
+                s.execute(
+                    update(Job).where(Job.id == old.id).values(spec={**old.spec, "timeout": 2**40})
+                )
+        finally:
+            store.db.dispose()
+        cluster.start_server()
+        cluster.wait_for_workers(1, timeout=60)
+        good = submit(
+            api,
+            write_job(tmp_path / "g", "good", "print('fine')\n", distributed={"num_workers": 1}),
+        )
+        assert wait_state(api, good)["state"] == "succeeded"
+        job = wait_state(api, old.id, timeout=30)
+        assert job["state"] == "failed"
+        said = " ".join(e["message"] for e in job["events"])
+        assert "the stored spec no longer validates (timeout: " in said, said
