@@ -56,14 +56,16 @@ def imports(tmp_path: Path) -> int:
 def test_a_second_probe_is_answered_from_the_cache(env: Path, tmp_path: Path) -> None:
     fake_torch(env, "9.1.0")
     first = probe_python(sys.executable, Gpus())
-    assert first["torch"] == "9.1.0" and first["torchrun"] is True
+    assert first["torch"] == "9.1.0"
+    assert first["torchrun"] is True
     assert first["backends"] == ["gloo"]
     assert imports(tmp_path) == 1
     assert probe_python(sys.executable, Gpus()) == first
     assert imports(tmp_path) == 1, "the second probe imported torch again"
     kept = list(probe_cache_dir().iterdir())
     assert str(probe_cache_dir()).startswith(str(tmp_path / "cache"))
-    assert len(kept) == 1 and oct(probe_cache_dir().stat().st_mode & 0o777) == "0o700"
+    assert len(kept) == 1
+    assert oct(probe_cache_dir().stat().st_mode & 0o777) == "0o700"
 
 
 def test_an_upgraded_torch_or_a_new_package_is_probed_again(env: Path, tmp_path: Path) -> None:

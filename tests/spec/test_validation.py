@@ -58,7 +58,13 @@ REFUSALS = [
         "distributed.num_workers",
         "required",
     ),
-    ("timeout past 68 years", job(timeout=2**70), "timeout", "< 2147483648"),
+    ("timeout past 68 years", job(timeout=2**70), "timeout", "2147483647 s (about 68 years)"),
+    (
+        "a duration past 68 years in days",
+        job(hang_timeout="100000d"),
+        "hang_timeout",
+        "8640000000 s ('100000d') is past the most a duration may be",
+    ),
     ("gpus past int32", job(resources={"gpus": 2**40}), "resources.gpus", "< 2147483648"),
     (
         "quorum past every rank there can be",
