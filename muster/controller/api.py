@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
 from pathlib import PurePosixPath
@@ -123,8 +124,19 @@ async def describe(job_id: str, request: Request) -> Response:
     try:
         body = orjson.dumps(detail)
     except orjson.JSONEncodeError:  # an integer past 64 bits (in an event's stored data)
-        body = json.dumps(detail, ensure_ascii=False).encode()
+        body = json.dumps(_finite(detail), ensure_ascii=False).encode()
     return Response(body, media_type="application/json")
+
+
+def _finite(value: Any) -> Any:
+    """NaN and infinities as null, as orjson writes them (json would write NaN: not JSON)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
 
 
 async def job_detail(

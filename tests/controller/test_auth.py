@@ -4,6 +4,7 @@ ticket, the join secret, a wrong token, and the API token."""
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -267,12 +268,13 @@ def test_a_job_whose_events_hold_a_huge_integer_is_described(store: Store, tmp_p
     """orjson stops at 64 bits; stored JSON may hold more (an event's data, a spec stored
     before the spec bounded its integers): the detail is still served, the number intact."""
     job = store.submit_job(parse_job({"name": "big", "entrypoint": "t.py"}))
-    store.record_event("Note", "a big number", job=job.id, data={"n": 2**70})
+    store.record_event("Note", "a big number", job=job.id, data={"n": 2**70, "loss": math.nan})
     with serve(store, tmp_path, tls=False) as client:
         answer = client.get(f"/v1/jobs/{job.id}")
     assert answer.status_code == 200, answer.text
+    assert "NaN" not in answer.text, "not JSON: strict parsers (browsers, jq) refuse it"
     note = next(e for e in answer.json()["events"] if e["kind"] == "Note")
-    assert note["data"] == {"n": 2**70}
+    assert note["data"] == {"n": 2**70, "loss": None}, "NaN as null, as orjson writes it"
 
 
 def test_a_job_whose_stored_spec_no_longer_validates_is_still_described(
