@@ -29,7 +29,7 @@ def demo(
     """Run a job on a throwaway local cluster: controller (SQLite), agents, logs, summary."""
     if job is not None and job_option is not None and job != job_option:
         raise UserError(f"two jobs given ({job} and --job {job_option}): give one")
-    job_file = job or job_option or Path("examples/ddp/job.yaml")
+    job_file = job or job_option or default_job()
     if not job_file.is_file():
         if job is None and job_option is None:
             raise UserError(f"{job_file} not found; run from the muster checkout or name a job")
@@ -54,6 +54,14 @@ def demo(
         with err.status("stopping the agents and the controller"):
             cluster.__exit__(None, None, None)
     raise typer.Exit(0 if state == "succeeded" else 1)
+
+
+def default_job() -> Path:
+    """The DDP example: the current directory's (a checkout), else the one beside the
+    installed package (an editable install from any directory); a wheel ships none."""
+    here = Path("examples/ddp/job.yaml")
+    beside = Path(__file__).resolve().parents[2] / here
+    return beside if not here.is_file() and beside.is_file() else here
 
 
 def summary(

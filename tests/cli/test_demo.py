@@ -6,6 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from muster.cli.demo import default_job
+
+ROOT = Path(__file__).resolve().parents[2]
+
 
 def demo(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
@@ -27,11 +33,16 @@ def test_the_job_may_be_an_argument_and_a_missing_one_is_named(tmp_path: Path) -
     folder = demo("jobs", cwd=tmp_path)
     assert folder.returncode == 2
     assert "jobs is a directory, not a job file (the job file to run)" in folder.stderr
-    default = demo(cwd=tmp_path)  # not in a checkout: the default job is not there
-    assert default.returncode == 2
-    assert "examples/ddp/job.yaml not found; run from the muster checkout or name a job" in (
-        default.stderr
-    )
+
+
+def test_the_default_job_is_found_from_any_directory_of_an_editable_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert default_job() == ROOT / "examples/ddp/job.yaml"
+    (tmp_path / "examples/ddp").mkdir(parents=True)
+    (tmp_path / "examples/ddp/job.yaml").write_text("name: mine\nentrypoint: t.py\n")
+    assert default_job() == Path("examples/ddp/job.yaml"), "the current directory's first"
 
 
 def test_two_different_jobs_are_refused(tmp_path: Path) -> None:
