@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import ipaddress
 import json
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import tempfile
@@ -42,9 +44,12 @@ print(json.dumps(out))
 """
 
 
-# What the probe's answer depends on, read without importing torch (tens of ms where the
-# probe takes seconds): the interpreter, its import path, and every directory on that path
-# with its mtime, which any install or removal in it moves; torch's own files, with theirs.
+# What the probe's answer depends on, read in the jobs' Python without importing torch (tens
+# of ms where the probe takes seconds), so a wrapper script's environment counts too: the
+# interpreter, every directory on its import path with its mtime (any install or removal in
+# one moves it), torch's own files, the prefix's libraries (conda's CUDA and NCCL live there)
+# and those on LD_LIBRARY_PATH, the GPU driver's version, and the variables that pick devices
+# and libraries.
 _FINGERPRINT = """
 import glob, importlib.util, json, os, sys
 def stat(path):
@@ -53,27 +58,29 @@ def stat(path):
         return [path, st.st_mtime_ns, st.st_size]
     except OSError:
         return [path, None, None]
+def read(path):
+    try:
+        with open(path) as f:
+            return f.read(4096)
+    except OSError:
+        return None
+VARS = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES",
+        "ROCR_VISIBLE_DEVICES", "LD_LIBRARY_PATH", "LD_PRELOAD", "PYTHONPATH", "PYTHONHOME")
+libs = [sys.prefix + "/lib", sys.prefix + "/conda-meta"]
+libs += [d for d in os.environ.get("LD_LIBRARY_PATH", "").split(":") if d]
 out = {"version": sys.version, "executable": os.path.realpath(sys.executable),
-       "path": [stat(p) for p in sys.path if p], "torch": None}
+       "path": [stat(p) for p in sys.path if p], "libs": [stat(d) for d in libs],
+       "driver": [read("/proc/driver/nvidia/version"), read("/sys/module/amdgpu/version")],
+       "env": {k: os.environ.get(k) for k in VARS}, "torch": None}
 spec = importlib.util.find_spec("torch")
 if spec is not None and spec.origin:
     root = os.path.dirname(spec.origin)
     files = [spec.origin, os.path.join(root, "version.py")]
     files += sorted(glob.glob(os.path.join(root, "_C*.so")))
+    files += sorted(glob.glob(os.path.join(root, "lib", "*.so*")))
     out["torch"] = [stat(f) for f in files]
 print(json.dumps(out))
 """
-# What else changes the answer: the devices CUDA or ROCm may use, where libraries load from.
-_PROBE_ENV = (
-    "CUDA_VISIBLE_DEVICES",
-    "NVIDIA_VISIBLE_DEVICES",
-    "HIP_VISIBLE_DEVICES",
-    "ROCR_VISIBLE_DEVICES",
-    "LD_LIBRARY_PATH",
-    "LD_PRELOAD",
-    "PYTHONPATH",
-    "PYTHONHOME",
-)
 PROBE_CACHE_TTL_S = 24 * 3600.0
 _NO_PYTHON: dict[str, object] = {"python": "", "torch": None, "torchrun": False, "backends": []}
 
@@ -90,7 +97,8 @@ def _run_json(python: str, code: str, timeout: float) -> dict[str, object] | Non
 
 
 def probe_cache_dir() -> Path:
-    """Where probe answers are kept: the user's cache dir (XDG_CACHE_HOME honoured)."""
+    """Where probe answers are kept: the cache dir of the user the agent runs as
+    (~/.cache/muster/python-probe on Linux, XDG_CACHE_HOME honoured)."""
     return Path(platformdirs.user_cache_dir("muster")) / "python-probe"
 
 
@@ -99,18 +107,22 @@ def probe_python(python: str, gpus: Gpus | None = None) -> dict[str, object]:
 
     Importing torch to ask takes seconds of CPU (2.4 s here), paid by every agent start. The
     answer is kept in the user's cache for a day, under a fingerprint of everything it
-    depends on (the interpreter, every directory on its import path and torch's own files
-    with their mtimes, the GPUs, and the environment that picks devices and libraries): an
-    install, an upgrade, a new driver's GPU list or another CUDA_VISIBLE_DEVICES asks again.
-    An answer that lists GPUs but no NCCL (CUDA not working) is not kept: it may be mended."""
+    depends on (see _FINGERPRINT; with the GPUs and the Python named, whose file is stat'ed
+    too: a wrapper script edited asks again). An answer that lists GPUs but no NCCL (CUDA not
+    working) is not kept: it may be mended."""
     fingerprint = _run_json(python, _FINGERPRINT, 60)
     path: Path | None = None
     if fingerprint is not None:
+        named = shutil.which(python) or python
+        try:
+            st = os.stat(named)
+            wrapper: list[object] = [named, st.st_mtime_ns, st.st_size]
+        except OSError:
+            wrapper = [named, None, None]
         key = {
-            "python": python,
+            "python": wrapper,
             "fingerprint": fingerprint,
             "gpus": gpus.model_dump(mode="json") if gpus is not None else None,
-            "env": {name: os.environ.get(name) for name in _PROBE_ENV},
         }
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
         path = probe_cache_dir() / f"{digest}.json"
@@ -128,9 +140,18 @@ def probe_python(python: str, gpus: Gpus | None = None) -> dict[str, object]:
     return data
 
 
+def _owned_and_private(st: os.stat_result) -> bool:
+    """Ours, and writable by no one else: an answer another user could plant would make
+    this agent report a torch it does not have."""
+    return st.st_uid == os.getuid() and not st.st_mode & 0o022
+
+
 def _read_cached(path: Path) -> dict[str, object] | None:
     try:
-        if time.time() - path.stat().st_mtime > PROBE_CACHE_TTL_S:
+        st = path.stat()
+        if not (_owned_and_private(st) and _owned_and_private(path.parent.stat())):
+            return None
+        if abs(time.time() - st.st_mtime) > PROBE_CACHE_TTL_S:  # (a clock set back too)
             return None
         data = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -141,16 +162,26 @@ def _read_cached(path: Path) -> dict[str, object] | None:
 
 
 def _write_cached(path: Path, data: dict[str, object]) -> None:
-    """Atomically (agents starting together may write the same answer); a cache that cannot
-    be written only costs the next start its seconds."""
+    """Atomically (agents starting together may write the same answer), after removing the
+    answers past their day; a cache that cannot be written costs the next start its seconds."""
+    tmp: str | None = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        for old in path.parent.iterdir():
+            with contextlib.suppress(OSError):
+                if time.time() - old.stat().st_mtime > PROBE_CACHE_TTL_S:
+                    old.unlink()
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".probe-")
         with os.fdopen(fd, "w") as f:
             json.dump(data, f)
         os.replace(tmp, path)
+        tmp = None
     except OSError as exc:
         log.debug("cannot keep the python probe's answer in %s: %s", path.parent, exc)
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
 
 def probe_gpus() -> Gpus:

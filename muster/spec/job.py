@@ -52,7 +52,7 @@ def _duration_in_bounds(value: object) -> object:
     """parse_duration, and a duration past the bound refused in seconds and years (pydantic's
     own message would read "must be < 2147483648", no unit)."""
     seconds = parse_duration(value)
-    if isinstance(seconds, int) and not isinstance(seconds, bool) and seconds >= INT32:
+    if isinstance(seconds, int | float) and not isinstance(seconds, bool) and seconds >= INT32:
         given = "" if seconds == value else f" ({value!r})"
         raise ValueError(
             f"{seconds} s{given} is past the most a duration may be, {INT32 - 1} s (about 68 years)"

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import platformdirs
-from sqlalchemy import Engine, create_engine, event, text
+from sqlalchemy import Engine, create_engine, event, inspect, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, OperationalError, ProgrammingError
 from sqlalchemy.orm import Session, sessionmaker
@@ -171,13 +171,26 @@ def alembic_config() -> Config:
 
 
 def stored_revision(engine: Engine) -> str | None:
-    """The revision alembic_version holds; None for a new database (or none readable)."""
+    """The revision alembic_version holds; None for a new database. Read without the write
+    lock (a deferred BEGIN on SQLite: a writer elsewhere does not hold it up)."""
+    options: dict[str, Any] = {READ_ONLY_OPTION: True}
+    if engine.dialect.name == "postgresql":
+        options["postgresql_readonly"] = True
     try:
-        with engine.connect() as connection:
+        with engine.connect().execution_options(**options) as connection:
+            if not inspect(connection).has_table("alembic_version"):
+                return None
             row = connection.execute(text("SELECT version_num FROM alembic_version")).first()
-    except (OperationalError, ProgrammingError):
-        return None  # no table yet (or no server: migrate's upgrade says which)
+    except (OperationalError, ProgrammingError) as exc:
+        raise _unavailable(engine, exc) from exc
     return str(row[0]) if row is not None else None
+
+
+def _unavailable(engine: Engine, exc: OperationalError | ProgrammingError) -> StoreUnavailable:
+    return StoreUnavailable(
+        f"cannot open the database at {engine.url.render_as_string(hide_password=True)}: "
+        f"{exc.orig}; check --db and that the server is running"
+    )
 
 
 def migrate(engine: Engine) -> None:
@@ -192,10 +205,7 @@ def migrate(engine: Engine) -> None:
             config.attributes["connection"] = connection
             command.upgrade(config, "head")
     except OperationalError as exc:
-        raise StoreUnavailable(
-            f"cannot open the database at {engine.url.render_as_string(hide_password=True)}: "
-            f"{exc.orig}; check --db and that the server is running"
-        ) from exc
+        raise _unavailable(engine, exc) from exc
 
 
 def current_revision(engine: Engine) -> str | None:

@@ -45,6 +45,9 @@ def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("PYTHONPATH", str(site))
     monkeypatch.setenv("IMPORTS", str(tmp_path / "imports"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    # (the fake torch is rewritten within a second: a .pyc checked by whole seconds and size
+    # could answer for the old one; the versions differ in length too)
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
     return site
 
 
@@ -72,8 +75,8 @@ def test_an_upgraded_torch_or_a_new_package_is_probed_again(env: Path, tmp_path:
     fake_torch(env, "9.1.0")
     assert probe_python(sys.executable, Gpus())["torch"] == "9.1.0"
     time.sleep(0.01)  # (mtimes in ns, but a coarse filesystem clock could hide one change)
-    fake_torch(env, "9.2.0")  # torch's own __init__.py changes size and mtime
-    assert probe_python(sys.executable, Gpus())["torch"] == "9.2.0"
+    fake_torch(env, "9.10.0")  # torch's own __init__.py changes size and mtime
+    assert probe_python(sys.executable, Gpus())["torch"] == "9.10.0"
     assert imports(tmp_path) == 2
     (env / "newpkg").mkdir()  # an install beside it moves the directory's mtime
     probe_python(sys.executable, Gpus())
@@ -111,6 +114,39 @@ def test_a_stale_or_spoilt_answer_is_not_used(env: Path, tmp_path: Path) -> None
     os.utime(kept, (old, old))
     assert probe_python(sys.executable, Gpus())["torch"] == "9.1.0"
     assert imports(tmp_path) == 3
+    ahead = time.time() + 2 * 24 * 3600  # a clock set back since it was written
+    os.utime(kept, (ahead, ahead))
+    probe_python(sys.executable, Gpus())
+    assert imports(tmp_path) == 4
+
+
+def test_an_answer_someone_else_could_have_written_is_not_believed(
+    env: Path, tmp_path: Path
+) -> None:
+    fake_torch(env, "9.1.0")
+    probe_python(sys.executable, Gpus())
+    (kept,) = probe_cache_dir().iterdir()
+    kept.write_text('{"python": "3.11", "torch": "99.0", "torchrun": true, "backends": ["nccl"]}')
+    kept.chmod(0o666)  # (what another user would need to plant it)
+    assert probe_python(sys.executable, Gpus())["torch"] == "9.1.0"
+    assert imports(tmp_path) == 2
+
+
+def test_a_wrapper_script_as_the_python_is_fingerprinted_with_its_environment(
+    env: Path, tmp_path: Path
+) -> None:
+    """`muster agent --python wrapper.sh`: what the wrapper sets is seen, and editing it asks
+    again."""
+    fake_torch(env, "9.1.0")
+    wrapper = tmp_path / "python.sh"
+    wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    wrapper.chmod(0o755)
+    probe_python(str(wrapper), Gpus())
+    probe_python(str(wrapper), Gpus())
+    assert imports(tmp_path) == 1
+    wrapper.write_text(f'#!/bin/sh\nCUDA_VISIBLE_DEVICES=3 exec {sys.executable} "$@"\n')
+    probe_python(str(wrapper), Gpus())
+    assert imports(tmp_path) == 2
 
 
 def test_a_python_that_is_not_there_offers_no_torch(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 import subprocess
 import sys
 import time
@@ -108,3 +109,19 @@ def test_a_current_database_opens_without_alembic(tmp_path: Path) -> None:
             [sys.executable, "-c", check, path], capture_output=True, text=True, timeout=60
         )
         assert done.stdout.strip() == expected, done.stderr
+
+
+def test_opening_a_current_database_does_not_wait_for_a_writer(tmp_path: Path) -> None:
+    """Reading the schema's revision takes no write lock: a writer elsewhere (a controller's
+    group commit) does not hold up a `muster token` or an agent's start."""
+    path = tmp_path / "m.db"
+    open_database(str(path)).dispose()
+    writer = sqlite3.connect(path, isolation_level=None)
+    try:
+        writer.execute("BEGIN IMMEDIATE")
+        started = time.monotonic()
+        open_database(str(path)).dispose()
+        assert time.monotonic() - started < 3, "the open waited for the write lock"
+    finally:
+        writer.execute("ROLLBACK")
+        writer.close()

@@ -139,7 +139,12 @@ class LogView {
     try { await work(gen); } finally {
       if (gen === this.generation) {
         this.busy = false;
-        if (this.olderWanted) { this.olderWanted = false; this.older(); }
+        // (only if the reader is still at the top: an older page that was itself the fetch
+        // out has moved the view down, and asks for nothing more)
+        if (this.olderWanted) {
+          this.olderWanted = false;
+          if (this.box.scrollTop < 10 * ROW_H) this.older();
+        }
       }
     }
   }
