@@ -40,7 +40,7 @@ try:
         out["backends"].append("nccl")
 except Exception:
     pass
-print(json.dumps(out))
+print(json.dumps(out, default=str))
 """
 
 
@@ -69,10 +69,13 @@ VARS = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES",
 libs = [sys.prefix + "/lib", sys.prefix + "/conda-meta"]
 libs += [d for d in os.environ.get("LD_LIBRARY_PATH", "").split(":") if d]
 out = {"version": sys.version, "executable": os.path.realpath(sys.executable),
-       "path": [stat(p) for p in sys.path if p], "libs": [stat(d) for d in libs],
+       "path": [stat(str(p)) for p in sys.path if p], "libs": [stat(d) for d in libs],
        "driver": [read("/proc/driver/nvidia/version"), read("/sys/module/amdgpu/version")],
        "env": {k: os.environ.get(k) for k in VARS}, "torch": None}
-spec = importlib.util.find_spec("torch")
+try:
+    spec = importlib.util.find_spec("torch")
+except Exception as exc:  # a broken torch: fingerprinted by what is wrong
+    spec, out["torch"] = None, repr(exc)
 if spec is not None and spec.origin:
     root = os.path.dirname(spec.origin)
     files = [spec.origin, os.path.join(root, "version.py")]
@@ -169,7 +172,7 @@ def _write_cached(path: Path, data: dict[str, object]) -> None:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         for old in path.parent.iterdir():
             with contextlib.suppress(OSError):
-                if time.time() - old.stat().st_mtime > PROBE_CACHE_TTL_S:
+                if abs(time.time() - old.stat().st_mtime) > PROBE_CACHE_TTL_S:
                     old.unlink()
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".probe-")
         with os.fdopen(fd, "w") as f:

@@ -1,7 +1,8 @@
 """Opening the database: SQLite (WAL) in the user's data dir by default, PostgreSQL by URL.
 
-Every open runs the alembic migrations up to head, so a new file or an empty PostgreSQL
-database is ready at once and an older one is upgraded in place.
+Every open brings the schema up to head with the alembic migrations, so a new file or an
+empty PostgreSQL database is ready at once and an older one is upgraded in place (an open
+that finds head stored skips alembic).
 
 Two kinds of transaction: ``Database.transaction()`` for work that writes (on SQLite it
 takes the write lock up front, BEGIN IMMEDIATE) and ``Database.read()`` for work that only
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import platformdirs
 from sqlalchemy import Engine, create_engine, event, inspect, text
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError, OperationalError, ProgrammingError
+from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from muster.errors import StoreUnavailable, UserError
@@ -181,15 +182,20 @@ def stored_revision(engine: Engine) -> str | None:
             if not inspect(connection).has_table("alembic_version"):
                 return None
             row = connection.execute(text("SELECT version_num FROM alembic_version")).first()
-    except (OperationalError, ProgrammingError) as exc:
+    except DBAPIError as exc:  # no server, no access, or a file that is no database
         raise _unavailable(engine, exc) from exc
     return str(row[0]) if row is not None else None
 
 
-def _unavailable(engine: Engine, exc: OperationalError | ProgrammingError) -> StoreUnavailable:
+def _unavailable(engine: Engine, exc: DBAPIError) -> StoreUnavailable:
+    check = (
+        "that the server is running and the user may read it"
+        if engine.dialect.name == "postgresql"
+        else "that the file is muster's database"
+    )
     return StoreUnavailable(
         f"cannot open the database at {engine.url.render_as_string(hide_password=True)}: "
-        f"{exc.orig}; check --db and that the server is running"
+        f"{exc.orig}; check --db and {check}"
     )
 
 
@@ -204,7 +210,7 @@ def migrate(engine: Engine) -> None:
         with engine.begin() as connection:
             config.attributes["connection"] = connection
             command.upgrade(config, "head")
-    except OperationalError as exc:
+    except DBAPIError as exc:
         raise _unavailable(engine, exc) from exc
 
 

@@ -8,11 +8,13 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import inspect, text
 
+from muster.errors import StoreUnavailable
 from muster.store import current_revision, head_revision, make_engine, open_database, open_store
 from muster.store.engine import SCHEMA_HEAD, alembic_config
 from muster.store.models import Base
@@ -125,3 +127,10 @@ def test_opening_a_current_database_does_not_wait_for_a_writer(tmp_path: Path) -
     finally:
         writer.execute("ROLLBACK")
         writer.close()
+
+
+def test_a_file_that_is_no_database_is_named_not_a_traceback(tmp_path: Path) -> None:
+    path = tmp_path / "notes.db"
+    path.write_bytes(b"these are my notes, not a database" * 200)
+    with pytest.raises(StoreUnavailable, match="check --db and that the file is muster's"):
+        open_database(str(path))
