@@ -18,7 +18,7 @@ from types import TracebackType
 import httpx
 
 from muster.client import Client
-from muster.controller.auth import credentials
+from muster.controller.credentials import credentials
 from muster.controller.tls import controller_certificate, join_string
 from muster.errors import InfrastructureError
 from muster.store import open_store

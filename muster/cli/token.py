@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from muster.cli.main import app, out, reports_errors
-from muster.controller.auth import credentials
+from muster.controller.credentials import credentials
 from muster.controller.tls import controller_certificate, join_string
 from muster.store import open_store
 

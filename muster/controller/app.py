@@ -15,7 +15,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from muster.controller import dashboard
 from muster.controller.api import agents, router, users
-from muster.controller.auth import Guard, Tickets, credentials, is_loopback, require_user
+from muster.controller.auth import Guard, Tickets, is_loopback, require_user
+from muster.controller.credentials import credentials
 from muster.controller.files import FileStore
 from muster.controller.gangs import Controller
 from muster.controller.lease import ControllerLease

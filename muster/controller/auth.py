@@ -40,28 +40,14 @@ from urllib.parse import urlsplit
 
 from fastapi import Request
 
+from muster.controller.credentials import Credentials
 from muster.errors import Forbidden, Unauthorized
-from muster.store import Store
 
 API_HINT = "send Authorization: Bearer <API token> (`muster token --api` on the controller)"
 SESSION_COOKIE = "muster_session"  # + a digest of the API token: one cookie per controller
 SESSION_TTL_S = 12 * 3600
 UI_HEADER = "x-muster-ui"
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
-
-
-@dataclass(frozen=True)
-class Credentials:
-    api_token: str
-    join_secret: str
-
-
-def credentials(store: Store) -> Credentials:
-    """Both secrets: made at first start, kept in the database."""
-    return Credentials(
-        api_token=store.setting("api_token", lambda: secrets.token_urlsafe(32)),
-        join_secret=store.setting("join_token", lambda: secrets.token_urlsafe(32)),
-    )
 
 
 def same_secret(given: str, expected: str) -> bool:

@@ -15,7 +15,7 @@ from sqlalchemy import update
 
 from muster import wire
 from muster.controller.app import ControllerConfig, create_app
-from muster.controller.auth import credentials
+from muster.controller.credentials import credentials
 from muster.spec import parse_job
 from muster.store import Store, open_store
 from muster.store.models import Job

@@ -13,7 +13,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from muster.controller import dashboard
-from muster.controller.auth import SESSION_COOKIE, credentials
+from muster.controller.auth import SESSION_COOKIE
+from muster.controller.credentials import credentials
 from muster.spec import parse_job
 from muster.store import Store
 from tests.controller.test_auth import link_ticket, serve

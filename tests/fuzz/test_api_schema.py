@@ -23,7 +23,7 @@ from schemathesis import Case
 from schemathesis.schemas import APIOperation
 
 from muster.controller.app import ControllerConfig, create_app
-from muster.controller.auth import credentials
+from muster.controller.credentials import credentials
 from muster.store import Store, open_store
 from tests.fuzz.specs import mutated_specs, values
 
