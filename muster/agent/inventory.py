@@ -40,7 +40,7 @@ try:
         out["backends"].append("nccl")
 except Exception:
     pass
-print(json.dumps(out, default=str))
+print(json.dumps(out))
 """
 
 
@@ -82,7 +82,7 @@ if spec is not None and spec.origin:
     files += sorted(glob.glob(os.path.join(root, "_C*.so")))
     files += sorted(glob.glob(os.path.join(root, "lib", "*.so*")))
     out["torch"] = [stat(f) for f in files]
-print(json.dumps(out))
+print(json.dumps(out, default=str))
 """
 PROBE_CACHE_TTL_S = 24 * 3600.0
 _NO_PYTHON: dict[str, object] = {"python": "", "torch": None, "torchrun": False, "backends": []}

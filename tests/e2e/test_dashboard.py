@@ -106,6 +106,37 @@ def visible_lines(page: Any) -> list[str]:
     )
 
 
+def waiting_job_with_lines(
+    cluster: LocalCluster, name: str, *, nodes: int, procs: int, ranks: int, lines: int
+) -> str:
+    """A job of more nodes than the cluster has (it stays queued, the view following it)
+    with ``lines`` log lines ("rank R line S", round robin over ``ranks``) written straight
+    into the controller's SQLite file in one statement (the ingest path is measured in
+    bench/logs.py; a million lines through it would take most of a minute here)."""
+    assert cluster.data_dir is not None
+    spec = parse_job(
+        {
+            "name": name,
+            "entrypoint": "train.py",
+            "distributed": {"num_workers": nodes, "procs_per_worker": procs, "backend": "gloo"},
+        }
+    )
+    store = open_store(str(cluster.data_dir / "muster.db"))
+    try:
+        job = str(store.submit_job(spec).id)
+        with store.db.engine.begin() as conn:
+            conn.exec_driver_sql(
+                "WITH RECURSIVE n(i) AS (SELECT 0 UNION ALL SELECT i + 1 FROM n WHERE i < ?) "
+                "INSERT INTO log_lines (job_id, origin, rank, seq, time_us, stream, text, raw, "
+                "ingest_id) SELECT ?, 'rank', i % ?, i / ? + 1, ?, 'stdout', "
+                "'rank ' || (i % ?) || ' line ' || (i / ? + 1), NULL, i + 1 FROM n",
+                (lines - 1, job, ranks, ranks, int(time.time() * 1e6), ranks, ranks),
+            )
+    finally:
+        store.db.dispose()
+    return job
+
+
 def test_a_page_without_credentials_is_refused(browser: Any, cluster: LocalCluster) -> None:
     context = browser.new_context(ignore_https_errors=True)
     page = context.new_page()
@@ -248,29 +279,8 @@ def test_the_log_view_stays_responsive_with_1000_ranks_and_a_million_lines(
 ) -> None:
     """A million lines from 1,000 ranks: the newest show at once, only the rows on screen are
     in the page, older pages load on scroll, and a rank filter answers from the server."""
-    assert cluster.data_dir is not None
-    spec = parse_job(
-        {
-            "name": "big",
-            "entrypoint": "train.py",
-            "distributed": {"num_workers": 250, "procs_per_worker": 4, "backend": "gloo"},
-        }
-    )
-    store = open_store(str(cluster.data_dir / "muster.db"))
-    try:
-        job = store.submit_job(spec).id  # 250 nodes: it waits for workers that never come
-        # A million lines straight into the controller's SQLite file in one statement (the
-        # ingest path is measured in bench/logs.py; here it would take most of a minute).
-        with store.db.engine.begin() as conn:
-            conn.exec_driver_sql(
-                "WITH RECURSIVE n(i) AS (SELECT 0 UNION ALL SELECT i + 1 FROM n WHERE i < 999999) "
-                "INSERT INTO log_lines (job_id, origin, rank, seq, time_us, stream, text, raw, "
-                "ingest_id) SELECT ?, 'rank', i % 1000, i / 1000 + 1, ?, 'stdout', "
-                "'rank ' || (i % 1000) || ' line ' || (i / 1000 + 1), NULL, i + 1 FROM n",
-                (job, int(time.time() * 1e6)),
-            )
-    finally:
-        store.db.dispose()
+    # 250 nodes: it waits for workers that never come.
+    job = waiting_job_with_lines(cluster, "big", nodes=250, procs=4, ranks=1000, lines=1_000_000)
     page = signed_in(browser, cluster)
     started = time.monotonic()
     page.goto(f"{cluster.url}/ui/jobs/{job}")
@@ -328,32 +338,13 @@ def test_scrolling_to_the_top_while_a_poll_is_out_still_loads_the_older_page(
 ) -> None:
     """The reader reaches the top while a follow poll is on its way (on a slow controller,
     most of the time): the older page still comes once the poll is back, and following stops."""
-    assert cluster.data_dir is not None
-    spec = parse_job(
-        {
-            "name": "slowpoll",
-            "entrypoint": "train.py",
-            "distributed": {"num_workers": 50, "procs_per_worker": 1, "backend": "gloo"},
-        }
-    )
-    store = open_store(str(cluster.data_dir / "muster.db"))
-    try:
-        job = store.submit_job(spec).id  # 50 nodes: it waits, so the view keeps following
-        with store.db.engine.begin() as conn:
-            conn.exec_driver_sql(
-                "WITH RECURSIVE n(i) AS (SELECT 0 UNION ALL SELECT i + 1 FROM n WHERE i < 4999) "
-                "INSERT INTO log_lines (job_id, origin, rank, seq, time_us, stream, text, raw, "
-                "ingest_id) SELECT ?, 'rank', 0, i + 1, ?, 'stdout', 'line ' || (i + 1), NULL, "
-                "i + 1 FROM n",
-                (job, int(time.time() * 1e6)),
-            )
-    finally:
-        store.db.dispose()
+    # 50 nodes: it waits, so the view keeps following.
+    job = waiting_job_with_lines(cluster, "slowpoll", nodes=50, procs=1, ranks=1, lines=5000)
     page = signed_in(browser, cluster)
     page.add_init_script(SLOW_POLLS)
     page.goto(f"{cluster.url}/ui/jobs/{job}")
     page.wait_for_function("() => document.querySelectorAll('#logview .ln').length > 0")
-    assert "[rank 0] line 5000" in visible_lines(page)
+    assert "[rank 0] rank 0 line 5000" in visible_lines(page)
     assert page.is_checked("#log-follow")
     held = page.evaluate("() => window.musterLogs.lines.length")
     assert held == 2000, held
@@ -361,5 +352,5 @@ def test_scrolling_to_the_top_while_a_poll_is_out_still_loads_the_older_page(
     page.evaluate("() => { document.getElementById('logview').scrollTop = 0; }")
     page.wait_for_function(f"() => window.musterLogs.lines.length > {held}")
     assert not page.is_checked("#log-follow"), "reading back pauses following"
-    assert "[rank 0] line 3000" in visible_lines(page), "the reader's place is kept"
+    assert "[rank 0] rank 0 line 3000" in visible_lines(page), "the reader's place is kept"
     page.context.close()
